@@ -1,0 +1,23 @@
+# Two commands: `make train` (the main job on the embedded default data) and `make test`.
+# Each creates or updates the virtual environment in .venv by itself.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: train test check clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/foxhunt-jax train --config configs/default.yaml --out runs/default $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

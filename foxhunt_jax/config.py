@@ -1,0 +1,349 @@
+"""Typed configuration: one place where every setting is declared, parsed and validated.
+
+A :class:`Config` is a tree of frozen dataclasses. It is built from defaults, then a YAML file
+(``configs/*.yaml``, read with ``yaml.safe_load``), then dotted overrides (``--set a.b=v``).
+Unknown keys and bad values raise :class:`~foxhunt_jax.errors.ConfigError` with a one-line
+message naming the key. ``validate`` is the only place that checks ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from foxhunt_jax.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Parameters of ``builtin:synthetic`` (see :mod:`foxhunt_jax.data.synthetic`)."""
+
+    instruments: int = 4
+    bars: int = 3000
+    signal_strength: float = 0.3  # correlation of the planted feature with the next log return
+    volatility: float = 0.01  # per-bar std of log returns
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: tuple[str, ...] = ("builtin:us_stocks_daily",)  # paths or builtin:NAME
+    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)  # train, validation, test by time
+    sort: bool = False  # sort unsorted timestamps instead of rejecting the file
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    episode_length: int = 100  # L: steps before truncation
+    exposures: tuple[float, ...] = (-1.0, -0.5, 0.0, 0.5, 1.0)  # branch 0: target exposure
+    take_profit: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 1: TP multiple of sigma; () = off
+    stop_loss: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 2: SL multiple of sigma; () = off
+    time_barrier: int = 20  # H: bars a position may be held before it is closed
+    cost_bps: float = 2.0  # commission + half-spread, basis points of traded notional
+    fixed_cost: float = 0.0  # per trade, in units of initial equity
+    ruin_floor: float = 0.5  # terminate when equity < ruin_floor * initial equity
+    reward_scale: float = 100.0  # reward = reward_scale * log(equity change)
+
+    @property
+    def branch_sizes(self) -> tuple[int, ...]:
+        return tuple(len(v) for v in (self.exposures, self.take_profit, self.stop_loss) if v)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    trunk: tuple[int, ...] = (256, 256)
+    head: int = 160  # hidden width of the value stream and of each advantage stream
+    atoms: int = 11
+    v_min: float = -10.0
+    v_max: float = 10.0
+    dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    capacity: int = 1 << 17
+    alpha: float = 0.6  # 0 gives uniform sampling
+    beta_start: float = 0.4
+    beta_end: float = 1.0
+    priority_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class CuriosityConfig:
+    coef: float = 0.01  # 0 turns curiosity off (reward is exactly extrinsic)
+    hidden: int = 128
+    embed: int = 32
+    learning_rate: float = 1e-4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    epochs: int = 30
+    num_episodes: int = 256  # N: episodes collected in parallel per epoch
+    train_steps: int = 50  # K learner steps per epoch
+    batch_size: int = 64  # M
+    learning_rate: float = 1e-4
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 10.0
+    gamma: float = 0.99
+    n_step: int = 1
+    target_update: str = "hard"  # "hard" (copy every target_period steps) or "polyak"
+    target_period: int = 200
+    polyak_tau: float = 0.005
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.05
+    epsilon_decay_epochs: int = 20
+    validation_windows: int = 64
+    checkpoint_every: int = 1
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a config from YAML mappings and dotted overrides
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Converts a YAML value to the annotated type ``tp`` or raises ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"config key '{key}' needs {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} at {key}")  # a bug in this module
+
+
+def _build(cls: type, mapping: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in mapping:
+        if k not in names:
+            raise ConfigError(f"unknown config key '{prefix}{k}' (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in mapping.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) for YAML/JSON output."""
+
+    def conv(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, tuple):
+            return [conv(v) for v in x]
+        return x
+
+    return conv(cfg)
+
+
+def parse_override(text: str) -> dict:
+    """``"a.b=v"`` -> ``{"a": {"b": v}}`` with ``v`` parsed as YAML (so 3, 0.5, [1, 2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.path=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Reads a YAML mapping with the safe loader (no object construction)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {p}{where}: invalid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    return data
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A path as given, or a bare name like ``smoke`` looked up in the package's configs/."""
+    p = Path(name)
+    if p.exists():
+        return p
+    candidate = CONFIG_DIR / (p.name if p.suffix else p.name + ".yaml")
+    if candidate.exists():
+        return candidate
+    raise ConfigError(f"config file {name} does not exist")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- dotted overrides, then :func:`validate`."""
+    mapping: dict = {}
+    if path is not None:
+        mapping = read_yaml(resolve_config_path(path))
+    for text in overrides:
+        mapping = _merge(mapping, parse_override(text))
+    return validate(_build(Config, mapping))
+
+
+def from_dict(mapping: dict) -> Config:
+    return validate(_build(Config, mapping))
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """``replace(cfg, train={"epochs": 3})``: a validated copy with some fields changed."""
+    return from_dict(_merge(to_dict(cfg), sections))
+
+
+def _check(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {rule}, got {value!r}")
+
+
+def validate(cfg: Config) -> Config:
+    """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
+    d, e, n, r, c, t = cfg.data, cfg.env, cfg.network, cfg.replay, cfg.curiosity, cfg.train
+    _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
+    _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",
+           "must be three positive fractions summing to 1", d.splits)
+    s = d.synthetic
+    _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
+    _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)
+    _check(0 <= s.signal_strength < 1, "data.synthetic.signal_strength", "must be in [0, 1)",
+           s.signal_strength)
+    _check(s.volatility > 0, "data.synthetic.volatility", "must be > 0", s.volatility)
+
+    _check(e.episode_length >= 1, "env.episode_length", "must be >= 1", e.episode_length)
+    _check(len(e.exposures) >= 2, "env.exposures", "needs at least two values", e.exposures)
+    _check(all(-1 <= x <= 1 for x in e.exposures), "env.exposures", "values must be in [-1, 1]",
+           e.exposures)
+    for name in ("take_profit", "stop_loss"):
+        vals = getattr(e, name)
+        _check(all(v > 0 for v in vals), f"env.{name}", "values must be > 0", vals)
+    _check(e.time_barrier >= 1, "env.time_barrier", "must be >= 1", e.time_barrier)
+    _check(e.cost_bps >= 0, "env.cost_bps", "must be >= 0", e.cost_bps)
+    _check(e.fixed_cost >= 0, "env.fixed_cost", "must be >= 0", e.fixed_cost)
+    _check(0 < e.ruin_floor < 1, "env.ruin_floor", "must be in (0, 1)", e.ruin_floor)
+    _check(e.reward_scale > 0, "env.reward_scale", "must be > 0", e.reward_scale)
+
+    _check(len(n.trunk) >= 1 and all(w >= 1 for w in n.trunk), "network.trunk",
+           "needs one or more positive widths", n.trunk)
+    _check(n.head >= 1, "network.head", "must be >= 1", n.head)
+    _check(n.atoms >= 2, "network.atoms", "must be >= 2", n.atoms)
+    _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
+    _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
+           n.dtype)
+
+    _check(r.capacity >= t.batch_size, "replay.capacity", "must be >= train.batch_size", r.capacity)
+    _check(r.alpha >= 0, "replay.alpha", "must be >= 0", r.alpha)
+    _check(0 <= r.beta_start <= 1, "replay.beta_start", "must be in [0, 1]", r.beta_start)
+    _check(0 <= r.beta_end <= 1, "replay.beta_end", "must be in [0, 1]", r.beta_end)
+    _check(r.priority_eps > 0, "replay.priority_eps", "must be > 0", r.priority_eps)
+
+    _check(c.coef >= 0, "curiosity.coef", "must be >= 0", c.coef)
+    _check(c.hidden >= 1 and c.embed >= 1, "curiosity.hidden", "and curiosity.embed must be >= 1",
+           (c.hidden, c.embed))
+    _check(c.learning_rate > 0, "curiosity.learning_rate", "must be > 0", c.learning_rate)
+
+    _check(t.epochs >= 1, "train.epochs", "must be >= 1", t.epochs)
+    _check(t.num_episodes >= 1, "train.num_episodes", "must be >= 1", t.num_episodes)
+    _check(t.train_steps >= 0, "train.train_steps", "must be >= 0", t.train_steps)
+    _check(t.batch_size >= 1, "train.batch_size", "must be >= 1", t.batch_size)
+    _check(t.learning_rate > 0, "train.learning_rate", "must be > 0", t.learning_rate)
+    _check(t.adam_eps > 0, "train.adam_eps", "must be > 0", t.adam_eps)
+    _check(t.max_grad_norm > 0, "train.max_grad_norm", "must be > 0", t.max_grad_norm)
+    _check(0 <= t.gamma <= 1, "train.gamma", "must be in [0, 1]", t.gamma)
+    _check(1 <= t.n_step <= 5, "train.n_step", "must be in 1..5", t.n_step)
+    _check(t.target_update in ("hard", "polyak"), "train.target_update", "must be hard or polyak",
+           t.target_update)
+    _check(t.target_period >= 1, "train.target_period", "must be >= 1", t.target_period)
+    _check(0 < t.polyak_tau <= 1, "train.polyak_tau", "must be in (0, 1]", t.polyak_tau)
+    _check(0 <= t.epsilon_end <= t.epsilon_start <= 1, "train.epsilon_start",
+           "and train.epsilon_end must satisfy 0 <= end <= start <= 1",
+           (t.epsilon_start, t.epsilon_end))
+    _check(t.epsilon_decay_epochs >= 1, "train.epsilon_decay_epochs", "must be >= 1",
+           t.epsilon_decay_epochs)
+    _check(t.validation_windows >= 1, "train.validation_windows", "must be >= 1",
+           t.validation_windows)
+    _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
+    _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
+    return cfg
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+__all__ = [
+    "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
+    "CuriosityConfig", "TrainConfig", "load_config", "from_dict", "replace", "validate",
+    "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+]
