@@ -29,16 +29,29 @@ class Instrument:
 
 @dataclass(frozen=True)
 class MarketData:
-    """All instruments of one data source; ``bar_seconds`` is the median bar spacing."""
+    """All instruments of one data source.
+
+    ``bar_seconds``: median spacing of consecutive bars (the inferred frequency).
+    ``bars_per_year``: bars per calendar year actually observed (total bars over total span,
+    pooled over instruments), the annualization factor of every metric: about 252 for US daily
+    stocks, about 6,200 for hourly FX with its weekend gaps.
+    """
 
     instruments: tuple[Instrument, ...]
     bar_seconds: float
+    bars_per_year: float
 
-    @property
-    def bars_per_year(self) -> float:
-        """Annualization factor from the bar frequency (252 trading days for daily-or-longer
-        bars; calendar-hour based otherwise, 24 * 365 / hours for intraday bars on a 24h market)."""
-        day = 86400.0
-        if self.bar_seconds >= 0.9 * day:
-            return 252.0 * day / max(self.bar_seconds, day)
-        return 365.0 * day / self.bar_seconds
+
+def observed_bars_per_year(instruments) -> float:
+    year = 365.25 * 86400.0
+    bars, span = 0, 0.0
+    for ins in instruments:
+        if len(ins) >= 2:
+            bars += len(ins) - 1
+            span += (ins.timestamps[-1] - ins.timestamps[0]) / np.timedelta64(1, "s")
+    return float(bars / span * year) if span > 0 else 252.0
+
+
+def median_bar_seconds(instruments) -> float:
+    gaps = [np.diff(ins.timestamps) / np.timedelta64(1, "s") for ins in instruments if len(ins) >= 2]
+    return float(np.median(np.concatenate(gaps))) if gaps else 86400.0
