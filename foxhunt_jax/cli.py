@@ -1,0 +1,195 @@
+"""Command line: ``foxhunt-jax <command> [<subcommand>] ...``.
+
+Each command is a function ``cmd_<name>(args) -> int`` registered in :data:`COMMANDS` with the
+function that adds its arguments. :func:`main` turns every
+:class:`~foxhunt_jax.errors.FoxhuntError` into one ``error: <message>`` line on stderr and the
+error's exit code (2 by default), without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from foxhunt_jax import __version__
+from foxhunt_jax.errors import ConfigError, FoxhuntError
+
+
+@dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]  # ("data", "check") is `foxhunt-jax data check`
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting helpers
+
+
+def human_duration(seconds: float) -> str:
+    """86400 -> "1 day", 3600 -> "1 hour", 900 -> "15 min", 7.5 -> "7.5 s"."""
+    for unit, size in (("week", 604800), ("day", 86400), ("hour", 3600), ("min", 60)):
+        count = seconds / size
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            n = int(round(count))
+            plural = "s" if n != 1 and unit != "min" else ""
+            return f"{n} {unit}{plural}"
+    return f"{seconds:g} s"
+
+
+def format_timestamp(ts: np.datetime64, date_only: bool) -> str:
+    text = str(np.datetime64(ts, "s")).replace("T", " ")
+    return text[:10] if date_only else text
+
+
+def _parse_splits(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--splits must be three comma-separated numbers, got '{text}'") from None
+    if len(values) != 3:
+        raise ConfigError(f"--splits needs three fractions (train,validation,test), got '{text}'")
+    return values  # type: ignore[return-value]
+
+
+def _render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str,
+                  footer: str) -> None:
+    """A rich table on a terminal, plain aligned text otherwise (pipes, files, tests)."""
+    right = {i for i, h in enumerate(headers) if h in ("bars", "train", "validation", "test")}
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, caption=footer)
+        for i, h in enumerate(headers):
+            table.add_column(h, justify="right" if i in right else "left")
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w)
+               for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    print(title)
+    print(line(headers))
+    print(line(["-" * w for w in widths]))
+    for row in rows:
+        print(line(row))
+    print(footer)
+
+
+# ---------------------------------------------------------------------------------------------
+# data check
+
+
+def _args_data_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="CSV/Parquet files or builtin:NAME (us_stocks_daily, eurusd_hourly, "
+                        "synthetic[?instruments=2&bars=5000&seed=3])")
+    p.add_argument("--sort", action="store_true",
+                   help="sort unsorted timestamps instead of rejecting the file")
+    p.add_argument("--splits", default="0.7,0.15,0.15",
+                   help="train,validation,test fractions by time (default 0.7,0.15,0.15)")
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    """Loads and validates the sources; prints one row per instrument."""
+    from foxhunt_jax.config import from_dict
+    from foxhunt_jax.data.loader import load_market, split_counts
+    from foxhunt_jax.data.market import median_bar_seconds
+
+    cfg = from_dict({"data": {"source": list(args.paths), "sort": bool(args.sort),
+                              "splits": list(_parse_splits(args.splits))}}).data
+    market = load_market(cfg.source, sort=cfg.sort, synthetic=cfg.synthetic)
+
+    headers = ("instrument", "source", "bars", "first", "last", "frequency", "train",
+               "validation", "test")
+    rows = []
+    total = 0
+    for ins in market.instruments:
+        n = len(ins)
+        total += n
+        midnight = bool(np.all(ins.timestamps == ins.timestamps.astype("datetime64[D]")))
+        train, val, test = split_counts(n, cfg.splits)
+        rows.append((ins.name, ins.source, str(n), format_timestamp(ins.timestamps[0], midnight),
+                     format_timestamp(ins.timestamps[-1], midnight),
+                     human_duration(median_bar_seconds([ins])), str(train), str(val), str(test)))
+    title = f"market data: {', '.join(cfg.source)}"
+    footer = (f"{len(market.instruments)} instruments, {total} bars, bar frequency "
+              f"{human_duration(market.bar_seconds)}, {market.bars_per_year:.1f} bars per year, "
+              f"splits {','.join(f'{f:g}' for f in cfg.splits)}")
+    _render_table(headers, rows, title, footer)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and entry point
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("data", "check"), "validate market data files and summarize them",
+            _args_data_check, cmd_data_check),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="foxhunt-jax",
+        description="Distributional branching dueling Double-DQN trading agent in JAX.")
+    parser.add_argument("--version", action="version", version=f"foxhunt-jax {__version__}")
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {
+        (): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {(): parser}
+    for cmd in COMMANDS:
+        for depth in range(1, len(cmd.path) + 1):
+            prefix = cmd.path[:depth]
+            if prefix in parsers:
+                continue
+            leaf = depth == len(cmd.path)
+            sub = groups[prefix[:-1]].add_parser(
+                prefix[-1], help=cmd.help if leaf else f"{prefix[-1]} commands",
+                description=cmd.help if leaf else None)
+            parsers[prefix] = sub
+            if leaf:
+                cmd.add_arguments(sub)
+                sub.set_defaults(_run=cmd.run)
+            else:
+                groups[prefix] = sub.add_subparsers(dest="_".join(prefix) + "_command",
+                                                    metavar="SUBCOMMAND")
+                sub.set_defaults(_help=sub)
+    parser.set_defaults(_help=parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns its exit status (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    run = getattr(args, "_run", None)
+    if run is None:
+        args._help.print_help(sys.stderr)
+        return 2
+    try:
+        return int(run(args))
+    except FoxhuntError as err:
+        message = " ".join(str(err).split("\n")).strip()
+        print(f"error: {message}", file=sys.stderr)
+        return int(getattr(err, "exit_code", 2))
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "human_duration"]
