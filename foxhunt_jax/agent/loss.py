@@ -1,0 +1,147 @@
+"""The C51 double-Q loss of the branching network and n-step targets.
+
+Pure functions. Shapes: ``M`` batch, ``K`` atoms, ``B`` branches, ``n_d`` actions of branch d,
+``L`` steps of a collection window, ``N`` episodes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from foxhunt_jax.agent.network import expected_q
+from foxhunt_jax.errors import ConfigError
+
+
+def categorical_projection(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
+                           support: jax.Array) -> jax.Array:
+    """Projects the distribution of ``returns + discounts * z`` onto the fixed support ``z``.
+
+    Args:
+      next_probs: ``[M, K]`` probabilities of the bootstrap distribution on ``z``.
+      returns: ``[M]`` (n-step) returns.
+      discounts: ``[M]`` bootstrap discounts (``gamma^k``, 0 where terminated).
+      support: ``[K]`` evenly spaced atoms from v_min to v_max.
+
+    Returns:
+      ``[M, K]`` projected probabilities; each row sums to the row sum of ``next_probs``.
+
+    Each shifted atom ``Tz = clip(r + d z_j, v_min, v_max)`` sits at fractional index
+    ``b = (Tz - v_min) / dz`` and gives atom ``i`` the share ``max(0, 1 - |b - i|)`` of its mass.
+    This triangular weight equals the usual split between ``floor(b)`` and ``ceil(b)`` and needs
+    no special case when ``b`` is an integer (then all mass goes to that atom, none is lost).
+    """
+    chex.assert_rank([next_probs, returns, discounts, support], [2, 1, 1, 1])
+    k = support.shape[0]
+    chex.assert_shape(next_probs, (returns.shape[0], k))
+    chex.assert_equal_shape([returns, discounts])
+    v_min, v_max = support[0], support[-1]
+    dz = (v_max - v_min) / (k - 1)
+    tz = jnp.clip(returns[:, None] + discounts[:, None] * support[None, :], v_min, v_max)
+    b = jnp.clip((tz - v_min) / dz, 0.0, k - 1.0)  # [M, K] fractional target index per source atom
+    idx = jnp.arange(k, dtype=b.dtype)
+    w = jnp.maximum(0.0, 1.0 - jnp.abs(b[:, :, None] - idx[None, None, :]))  # [M, K_src, K_dst]
+    # HIGHEST: on GPUs a default-precision f32 contraction may run in TF32 and lose mass.
+    return jnp.einsum("mj,mji->mi", next_probs, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def _select(logits_d: jax.Array, action: jax.Array) -> jax.Array:
+    """Logits of one action per row: ``[M, n, K]``, ``[M]`` int -> ``[M, K]``."""
+    return jnp.take_along_axis(logits_d, action[:, None, None], axis=1)[:, 0, :]
+
+
+def c51_double_q_loss(online_s: Sequence[jax.Array], online_next: Sequence[jax.Array],
+                      target_next: Sequence[jax.Array], actions: jax.Array, returns: jax.Array,
+                      discounts: jax.Array, support: jax.Array) -> jax.Array:
+    """Per-sample distributional double-Q loss, averaged over branches.
+
+    Args:
+      online_s: tuple over branches of online logits at s, ``[M, n_d, K]``.
+      online_next: tuple of online logits at the bootstrap observation, ``[M, n_d, K]``.
+      target_next: tuple of target-network logits at the bootstrap observation, ``[M, n_d, K]``.
+      actions: ``[M, B]`` int32, the actions taken at s.
+      returns: ``[M]`` n-step returns.
+      discounts: ``[M]`` bootstrap discounts (``gamma^k``, 0 where terminated).
+      support: ``[K]`` atoms.
+
+    Returns:
+      ``[M]`` loss: per branch d, the cross-entropy between the projected target
+      ``Phi(r + discount * z; softmax(target_next_d[a*_d]))`` with
+      ``a*_d = argmax_a E[Q_online_next_d(a)]`` and ``softmax(online_s_d[a_d])``; then the mean
+      over branches. Gradients flow only into ``online_s``. Importance weights are applied by
+      the caller.
+    """
+    n_branches = len(online_s)
+    if not (len(online_next) == len(target_next) == n_branches >= 1):
+        raise ValueError("c51_double_q_loss: online_s, online_next and target_next need the same "
+                         "number of branches (>= 1)")
+    chex.assert_shape(actions, (returns.shape[0], n_branches))
+    per_branch = []
+    for d in range(n_branches):
+        chex.assert_equal_shape([online_s[d], online_next[d], target_next[d]])
+        a_star = jnp.argmax(expected_q(jax.lax.stop_gradient(online_next[d]), support), axis=-1)
+        p_next = jax.nn.softmax(_select(target_next[d], a_star).astype(jnp.float32), axis=-1)
+        m = categorical_projection(p_next, returns, discounts, support)
+        m = jax.lax.stop_gradient(m)
+        log_p = jax.nn.log_softmax(_select(online_s[d], actions[:, d]).astype(jnp.float32), axis=-1)
+        per_branch.append(-jnp.sum(m * log_p, axis=-1))
+    return jnp.mean(jnp.stack(per_branch, axis=0), axis=0)
+
+
+def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Array, gamma: float,
+                   n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """n-step returns, bootstrap discounts and bootstrap offsets of a collection window.
+
+    Args:
+      rewards: ``[L, N]`` reward of step t.
+      terminated: ``[L, N]`` bool, step t ended its episode by termination (no bootstrap).
+      truncated: ``[L, N]`` bool, step t ended its episode by truncation (bootstrap).
+      gamma: discount factor.
+      n: the largest number of steps summed (>= 1).
+
+    Returns:
+      ``(returns [L, N], discounts [L, N], offsets [L, N] int32)``. For step t, ``k`` is the
+      smallest of ``n``, the steps up to and including the first done step at or after t, and
+      ``L - t`` (the window end counts as truncation). ``returns = sum_{i<k} gamma^i r_{t+i}``;
+      ``discounts = 0`` when step ``t+k-1`` terminated, else ``gamma^k``; ``offsets = k``:
+      the bootstrap observation is the next observation of step ``t + k - 1``.
+    """
+    try:  # a Python or NumPy integer; n sets the unrolled loop, so it is static
+        n_int = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        n_int = None
+    if n_int is None or n_int < 1:
+        raise ConfigError(f"n_step_targets: n must be an integer >= 1, got {n!r}")
+    n = n_int
+    chex.assert_rank(rewards, 2)
+    chex.assert_equal_shape([rewards, terminated, truncated])
+    if not jnp.issubdtype(rewards.dtype, jnp.floating):
+        rewards = rewards.astype(jnp.float32)
+    length = rewards.shape[0]
+    terminated = terminated.astype(bool)
+    done = terminated | truncated.astype(bool)
+    step = jnp.arange(length)[:, None]
+
+    def ahead(x: jax.Array, i: int, fill) -> jax.Array:
+        # x[t + i] for each t, ``fill`` past the window end.
+        pad = jnp.full((min(i, length),) + x.shape[1:], fill, x.dtype)
+        return jnp.concatenate([x[i:], pad], axis=0)
+
+    ret = jnp.zeros_like(rewards)
+    k = jnp.zeros(rewards.shape, jnp.int32)
+    ended_terminal = jnp.zeros(rewards.shape, bool)
+    alive = jnp.ones(rewards.shape, bool)  # step t+i belongs to the k-step window of t
+    for i in range(n):
+        ret = ret + jnp.where(alive, (gamma ** i) * ahead(rewards, i, 0), 0).astype(rewards.dtype)
+        k = k + alive.astype(jnp.int32)
+        ended_terminal = ended_terminal | (alive & ahead(terminated, i, False))
+        alive = alive & ~ahead(done, i, True) & (step + i + 1 < length)
+    discounts = jnp.where(ended_terminal, 0.0, jnp.power(jnp.asarray(gamma, rewards.dtype), k))
+    return ret, discounts.astype(rewards.dtype), k
+
+
+__all__ = ["categorical_projection", "c51_double_q_loss", "n_step_targets"]

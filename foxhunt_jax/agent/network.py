@@ -1,0 +1,141 @@
+"""The branching, dueling, distributional (C51) Q-network and the helpers around it.
+
+One forward function serves every caller: the learner (online on s, target on s', online on s'),
+experience collection and inference all call :meth:`QNetwork.apply`.
+
+Layout with the default 3 branches (ten Dense layers, 20 tensors)::
+
+    obs [..., D] -> trunk_0 -> ReLU -> trunk_1 -> ReLU -> h [..., 256]
+    h -> value_hidden -> ReLU -> value_out                  -> V   [..., K]
+    h -> adv{d}_hidden -> ReLU -> adv{d}_out -> reshape      -> A_d [..., n_d, K]
+    logits_d = V[..., None, :] + A_d - mean_a A_d            (dueling in logit space)
+
+Shapes: ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``K`` atoms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from foxhunt_jax.config import NetworkConfig
+from foxhunt_jax.errors import ConfigError
+
+_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class _Dense(nn.Module):
+    """Affine layer with float32 parameters and a chosen GEMM input dtype.
+
+    The matrix inputs (activations and kernel) are cast to ``compute_dtype`` and the product
+    accumulates in float32 (``preferred_element_type``); the bias is added in float32. With
+    ``compute_dtype=float32`` this is an ordinary f32 Dense layer with full f32 products.
+    The parameter names (``kernel [in, out]``, ``bias [out]``) and initializers match
+    ``flax.linen.Dense``.
+    """
+
+    features: int
+    compute_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                            jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        # float32 means true float32 products: without HIGHEST, XLA on Ampere+ GPUs would use
+        # TF32 (10-bit mantissa) and the f32 path would no longer match its float64 reference.
+        precision = jax.lax.Precision.HIGHEST if self.compute_dtype == jnp.float32 else None
+        y = jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
+                    precision=precision, preferred_element_type=jnp.float32)
+        return y + bias
+
+
+class QNetwork(nn.Module):
+    """Branching dueling C51 Q-network.
+
+    Attributes:
+      branch_sizes: actions per branch ``(n_0, ..., n_{B-1})``.
+      trunk: widths of the shared hidden layers (ReLU after each).
+      head: hidden width of the value stream and of each advantage stream.
+      atoms: ``K``, the number of support atoms.
+      dtype: ``"float32"`` or ``"bfloat16"``: the dtype of the matrix inputs of every GEMM.
+        Parameters, accumulation and the returned logits are float32 either way.
+
+    ``apply(params, obs [..., D])`` returns a tuple of ``B`` float32 arrays ``[..., n_d, K]``.
+    """
+
+    branch_sizes: tuple[int, ...]
+    trunk: tuple[int, ...] = (256, 256)
+    head: int = 160
+    atoms: int = 11
+    dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[jax.Array, ...]:
+        if self.dtype not in _COMPUTE_DTYPES:
+            raise ConfigError(f"QNetwork dtype must be float32 or bfloat16, got {self.dtype!r}")
+        cd = _COMPUTE_DTYPES[self.dtype]
+        h = jnp.asarray(obs, jnp.float32)
+        for i, width in enumerate(self.trunk):
+            h = nn.relu(_Dense(width, cd, name=f"trunk_{i}")(h))
+
+        v = nn.relu(_Dense(self.head, cd, name="value_hidden")(h))
+        v = _Dense(self.atoms, cd, name="value_out")(v)  # [..., K]
+
+        out = []
+        for d, n_d in enumerate(self.branch_sizes):
+            a = nn.relu(_Dense(self.head, cd, name=f"adv{d}_hidden")(h))
+            a = _Dense(n_d * self.atoms, cd, name=f"adv{d}_out")(a)
+            a = a.reshape(a.shape[:-1] + (n_d, self.atoms))  # [..., n_d, K]
+            # Subtracting the mean advantage makes V identifiable: mean_a logits_d == V.
+            out.append(v[..., None, :] + a - jnp.mean(a, axis=-2, keepdims=True))
+        return tuple(out)
+
+
+def make_network(net_cfg: NetworkConfig, branch_sizes: Sequence[int]) -> QNetwork:
+    """The network of a validated :class:`NetworkConfig` for the env's ``branch_sizes``."""
+    sizes = tuple(int(n) for n in branch_sizes)
+    if not sizes or any(n < 1 for n in sizes):
+        raise ConfigError(f"network branch sizes must be one or more positive counts, got {sizes}")
+    if net_cfg.dtype not in _COMPUTE_DTYPES:
+        raise ConfigError(f"config key 'network.dtype' must be float32 or bfloat16, got "
+                          f"{net_cfg.dtype!r}")
+    return QNetwork(branch_sizes=sizes, trunk=tuple(net_cfg.trunk), head=net_cfg.head,
+                    atoms=net_cfg.atoms, dtype=net_cfg.dtype)
+
+
+def support(v_min: float, v_max: float, atoms: int) -> jax.Array:
+    """Fixed C51 support ``z [K]``: ``atoms`` evenly spaced values from v_min to v_max."""
+    return jnp.linspace(v_min, v_max, atoms, dtype=jnp.float32)
+
+
+def expected_q(logits_d: jax.Array, z: jax.Array) -> jax.Array:
+    """Expected value ``sum_i softmax(logits)_i z_i``: ``[..., n, K]``, ``[K]`` -> ``[..., n]``."""
+    p = jax.nn.softmax(logits_d.astype(jnp.float32), axis=-1)
+    return jnp.sum(p * z, axis=-1)
+
+
+def greedy_actions(logits: Sequence[jax.Array], z: jax.Array) -> jax.Array:
+    """Per-branch argmax of expected Q: tuple of ``[..., n_d, K]`` -> ``[..., B]`` int32."""
+    acts = [jnp.argmax(expected_q(l, z), axis=-1).astype(jnp.int32) for l in logits]
+    return jnp.stack(acts, axis=-1)
+
+
+def flatten_params(params: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """Parameters as one flat float32 buffer ``[P]`` and the function that rebuilds the tree."""
+    flat, unravel = ravel_pytree(params)
+    return flat.astype(jnp.float32), unravel
+
+
+def param_count(params: Any) -> int:
+    """Total number of scalars in a parameter tree."""
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+__all__ = ["QNetwork", "make_network", "support", "expected_q", "greedy_actions",
+           "flatten_params", "param_count"]
