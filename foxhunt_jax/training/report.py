@@ -1,0 +1,385 @@
+"""The end-of-run report: report/summary.json and PNG plots.
+
+Files written under ``out_dir/report/``:
+
+* ``summary.json``: the summary dict as given (NumPy/JAX scalars converted, NaN/Inf as null).
+* ``equity_<split>.png`` for each split in ``curves`` (``validation``, ``test``): equity of the
+  agent against buy-and-hold and the random policy (top) and their drawdowns (bottom).
+* ``training.png``: loss, epsilon, validation Sharpe and validation total return by epoch, read
+  from the epoch records of metrics.jsonl.
+* ``phases.png``: time per phase per epoch as stacked bars, with one-off costs (init, compile) in
+  a separate panel so they do not squash the per-epoch bars.
+
+Keys read from the epoch records (nested keys joined with "/"; the trainer's record layout); a
+missing key leaves its panel marked "not recorded": ``loss``, ``val_loss``, ``epsilon``,
+``val/{sharpe,total_return}``, ``val_buy_and_hold/{sharpe,total_return}``, optionally
+``val_random/{sharpe,total_return}``, and
+``phase_ms/{init,compile,experience,training,validation,total}``.
+
+:func:`metrics_table` formats the metrics of several policies as a text table for the log.
+
+Plots are drawn on a plain Agg canvas (no pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+from foxhunt_jax.training.rundir import flatten, read_metrics, to_jsonable
+
+DPI = 120
+# Fixed style per policy so the same colour means the same thing in every plot.
+POLICY_STYLE = {
+    "agent": dict(color="tab:blue", lw=1.8, ls="-", label="agent"),
+    "buy_and_hold": dict(color="tab:orange", lw=1.4, ls="--", label="buy & hold"),
+    "random": dict(color="tab:gray", lw=1.2, ls=":", label="random policy"),
+}
+STEADY_PHASES = ("experience", "training", "validation")
+ONE_OFF_PHASES = ("init", "compile")
+PHASE_COLORS = {"experience": "tab:blue", "training": "tab:orange", "validation": "tab:green",
+                "other": "tab:gray", "init": "tab:purple", "compile": "tab:red"}
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=DPI)
+    os.replace(tmp, path)  # a reader never sees half a PNG
+    return path
+
+
+def _style(name: str) -> dict:
+    return dict(POLICY_STYLE.get(name, dict(lw=1.2, ls="-", label=name.replace("_", " "))))
+
+
+def _mean_band(arr: np.ndarray):
+    """``[T]`` -> (arr, None); ``[n, T]`` -> (mean over rows, (10th, 90th percentile))."""
+    if arr.ndim == 1:
+        return arr, None
+    with warnings.catch_warnings():  # columns where every row has ended are all-NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(arr, axis=0), tuple(np.nanpercentile(arr, [10, 90], axis=0))
+
+
+def _drawdown(path: np.ndarray) -> np.ndarray:
+    peak = np.fmax.accumulate(path)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(np.isfinite(path), path / peak - 1.0, np.nan)
+
+
+def _last_finite(path: np.ndarray) -> float:
+    finite = path[np.isfinite(path)]
+    return float(finite[-1]) if finite.size else float("nan")
+
+
+def plot_equity(path: str | os.PathLike, curves: Mapping[str, Any], title: str,
+                timestamps: Sequence | np.ndarray | None = None) -> Path:
+    """Writes :func:`equity_figure` to the PNG ``path``."""
+    return _save(equity_figure(curves, title, timestamps), Path(path))
+
+
+def equity_figure(curves: Mapping[str, Any], title: str,
+                  timestamps: Sequence | np.ndarray | None = None) -> Figure:
+    """Equity curves and drawdowns of several policies on the same bars.
+
+    Args:
+      curves: policy name -> equity ``[T]`` (e.g. the mean over instruments) or ``[n, T]`` (one
+        row per instrument or window: drawn as the mean with a 10-90% band). Names
+        ``agent``, ``buy_and_hold``, ``random`` get fixed styles; NaN ends a path.
+      title: figure title.
+      timestamps: optional ``[T]`` datetimes for the x axis (else bar index).
+    """
+    fig = Figure(figsize=(10, 6.5))
+    ax, ax_dd = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 1.2]))
+    x = None if timestamps is None else np.asarray(timestamps)
+    start_level = None
+    for name, values in curves.items():
+        arr = np.asarray(values, np.float64)
+        if arr.ndim not in (1, 2) or arr.shape[-1] < 1:
+            raise ValueError(f"equity curve '{name}' must be [T] or [n, T], got shape {arr.shape}")
+        mean, band = _mean_band(arr)
+        if x is not None and len(x) != mean.shape[0]:
+            raise ValueError(f"{len(x)} timestamps for {mean.shape[0]} points of curve '{name}'")
+        xs = np.arange(mean.shape[0]) if x is None else x
+        style = _style(name)
+        start, end = mean[0], _last_finite(mean)
+        start_level = start if start_level is None else start_level
+        dd = _drawdown(mean)
+        style["label"] += (f"  (return {end / start - 1:+.1%}, max drawdown "
+                           f"{-np.nanmin(dd):.1%})")
+        line = ax.plot(xs, mean, **style)[0]
+        if band is not None:
+            ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.15, lw=0)
+        ax_dd.plot(xs, dd, color=line.get_color(), lw=1.0, ls=style["ls"])
+    if start_level is not None:
+        ax.axhline(start_level, color="black", lw=0.6, alpha=0.5)
+    ax.set_title(title)
+    ax.set_ylabel("equity")
+    ax.legend(loc="best", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax_dd.set_ylabel("drawdown")
+    ax_dd.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax_dd.set_xlabel("time" if x is not None else "bar")
+    ax_dd.grid(alpha=0.3)
+    if x is not None and np.issubdtype(np.asarray(x).dtype, np.datetime64):
+        fig.autofmt_xdate()
+    return fig
+
+
+def _series(records: Sequence[Mapping], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(epochs, values) of one flattened key over the records that have it (None -> NaN)."""
+    ep, val = [], []
+    for rec in records:
+        flat = flatten(rec)
+        if key in flat and "epoch" in rec:
+            v = flat[key]
+            ep.append(rec["epoch"])
+            val.append(np.nan if v is None else float(v))
+    return np.asarray(ep, np.int64), np.asarray(val, np.float64)
+
+
+def _not_recorded(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"{what}: not recorded", ha="center", va="center",
+            transform=ax.transAxes, color="gray")
+    ax.set_xticks([])  # an empty panel's 0..1 ticks would read as data
+    ax.set_yticks([])
+
+
+def _policy_panel(ax, records, metric: str, title: str, percent: bool) -> None:
+    drawn = False
+    for prefix, name in (("val", "agent"), ("val_buy_and_hold", "buy_and_hold"),
+                         ("val_random", "random")):
+        ep, v = _series(records, f"{prefix}/{metric}")
+        if ep.size:
+            style = _style(name)
+            ax.plot(ep, v, marker="o" if ep.size <= 30 else None, ms=3, **style)
+            drawn = True
+    if drawn:
+        ax.legend(fontsize=8, loc="best")
+        ax.axhline(0.0, color="black", lw=0.6, alpha=0.5)
+    else:
+        _not_recorded(ax, title)
+    if percent:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
+    ax.set_title(title)
+    ax.set_xlabel("epoch")
+
+
+def plot_training(path: str | os.PathLike, records: Sequence[Mapping]) -> Path:
+    """Writes :func:`training_figure` to the PNG ``path``."""
+    return _save(training_figure(records), Path(path))
+
+
+def training_figure(records: Sequence[Mapping]) -> Figure:
+    """2x2 panels by epoch: losses, epsilon, validation Sharpe, validation total return."""
+    fig = Figure(figsize=(11, 7.5))
+    (a_loss, a_eps), (a_sharpe, a_ret) = fig.subplots(2, 2)
+    drawn = False
+    for key, label, color in (("loss", "training loss", "tab:red"),
+                              ("val_loss", "validation loss", "tab:purple")):
+        ep, v = _series(records, key)
+        if ep.size:
+            a_loss.plot(ep, v, color=color, lw=1.5, label=label)
+            drawn = True
+    if drawn:
+        finite = np.concatenate([_series(records, k)[1] for k in ("loss", "val_loss")])
+        finite = finite[np.isfinite(finite)]
+        if finite.size and finite.min() > 0 and finite.max() / finite.min() > 20:
+            a_loss.set_yscale("log")
+        a_loss.legend(fontsize=8)
+    else:
+        _not_recorded(a_loss, "loss")
+    a_loss.set_title("C51 loss")
+    a_loss.set_ylabel("cross-entropy")
+    a_loss.set_xlabel("epoch")
+
+    ep, v = _series(records, "epsilon")
+    if ep.size:
+        a_eps.plot(ep, v, color="tab:green", lw=1.5)
+        a_eps.set_ylim(-0.02, max(1.02, float(np.nanmax(v)) + 0.02))
+    else:
+        _not_recorded(a_eps, "epsilon")
+    a_eps.set_title("exploration epsilon")
+    a_eps.set_ylabel("epsilon")
+    a_eps.set_xlabel("epoch")
+
+    _policy_panel(a_sharpe, records, "sharpe", "validation Sharpe (annualized)", percent=False)
+    a_sharpe.set_ylabel("Sharpe")
+    _policy_panel(a_ret, records, "total_return", "validation total return (mean over windows)",
+                  percent=True)
+    a_ret.set_ylabel("total return")
+    for ax in (a_loss, a_eps, a_sharpe, a_ret):
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle("Training progress")
+    return fig
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.1f} ms"
+
+
+def plot_phases(path: str | os.PathLike, records: Sequence[Mapping]) -> Path:
+    """Writes :func:`phases_figure` to the PNG ``path``."""
+    return _save(phases_figure(records), Path(path))
+
+
+def phases_figure(records: Sequence[Mapping]) -> Figure:
+    """Stacked per-epoch phase times, and the one-off init/compile costs in their own panel."""
+    fig = Figure(figsize=(12, 5))
+    ax, ax_once = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[3.2, 1]))
+    epochs = np.asarray([r["epoch"] for r in records if "phase_ms" in r], np.int64)
+    phases = [r["phase_ms"] for r in records if "phase_ms" in r]
+
+    def col(name):
+        return np.asarray([np.nan_to_num(float(p.get(name) or 0.0)) for p in phases])
+
+    stack = {k: col(k) for k in STEADY_PHASES}
+    if any("total" in p for p in phases):
+        # Time inside the epoch outside the named phases (host work); left out when the
+        # total is just the sum of the phases.
+        accounted = sum(stack.values()) + col("init") + col("compile")
+        other = np.clip(col("total") - accounted, 0.0, None)
+        if np.any(other > 1e-3 * np.maximum(col("total"), 1e-9)):
+            stack["other"] = other
+    if epochs.size:
+        bottom = np.zeros(epochs.size)
+        if epochs.size <= 300:
+            for k, v in stack.items():
+                ax.bar(epochs, v, bottom=bottom, width=0.8, color=PHASE_COLORS[k], label=k)
+                bottom += v
+        else:  # bars thinner than a pixel: draw areas instead
+            ax.stackplot(epochs, *stack.values(), labels=list(stack),
+                         colors=[PHASE_COLORS[k] for k in stack])
+            bottom = sum(stack.values())
+        steady = bottom[1:] if bottom.size > 1 else bottom
+        ref = float(np.max(steady))
+        top = ref * 1.3 if ref > 0 else 1.0  # headroom for the one-row legend
+        if bottom.size > 1 and bottom[0] > top:
+            # A first epoch that also warmed caches would flatten every other bar: cut its bar
+            # at the top of the axis and print its height instead.
+            ax.text(epochs[0] + 0.6, top * 0.97,
+                    f"epoch {epochs[0]}: {_fmt_ms(bottom[0])} (bar cut)", ha="left", va="top",
+                    fontsize=8,
+                    bbox=dict(boxstyle="round", fc="white", ec="gray", alpha=0.9))
+        ax.set_ylim(0, top)
+        which = "epochs after the first" if bottom.size > 1 else "the only epoch"
+        ax.set_title(f"time per epoch by phase (mean over {which}: "
+                     f"{_fmt_ms(float(np.mean(steady)))})", fontsize=10)
+        ax.legend(fontsize=8, loc="upper right", ncol=len(stack))
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        _not_recorded(ax, "phase times")
+        ax.set_title("time per epoch by phase")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("milliseconds")
+    ax.grid(axis="y", alpha=0.3)
+
+    once = {k: float(col(k).sum()) for k in ONE_OFF_PHASES} if phases else {}
+    if any(v > 0 for v in once.values()):
+        names = list(once)
+        vals = [once[k] for k in names]
+        bars = ax_once.barh(names, vals, height=0.5, color=[PHASE_COLORS[k] for k in names])
+        for b, v in zip(bars, vals):
+            ax_once.text(b.get_width(), b.get_y() + b.get_height() / 2, " " + _fmt_ms(v),
+                         va="center", fontsize=9)
+        ax_once.set_xlim(0, max(vals) * 1.45)
+        ax_once.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}"))
+    else:
+        _not_recorded(ax_once, "init / compile")
+    ax_once.set_title("one-off costs (all epochs)", fontsize=10)
+    ax_once.set_xlabel("seconds")
+    ax_once.grid(axis="x", alpha=0.3)
+    fig.suptitle("Where the time goes")
+    return fig
+
+
+_SIGNED_PERCENT = ("total_return", "annualized_return")
+_PERCENT = ("annualized_volatility", "max_drawdown", "max_drawdown_worst", "turnover", "hit_rate",
+            "time_in_market")
+_RATIO = ("sharpe", "sortino", "calmar")
+
+
+def _fmt_metric(key: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return "n/a" if value is None or np.isnan(value) else f"{value:+}"
+    if key in _SIGNED_PERCENT:
+        return f"{value:+.2%}"
+    if key in _PERCENT:
+        return f"{value:.2%}"
+    if key in _RATIO:
+        return f"{value:+.2f}"
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return f"{int(value):d}"
+    return f"{float(value):.4g}"
+
+
+def metrics_table(metrics: Mapping[str, Mapping[str, Any]], title: str = "") -> str:
+    """Text table of trading metrics: one row per metric, one column per policy.
+
+    Args:
+      metrics: policy name -> metrics dict (:func:`~foxhunt_jax.training.metrics.trading_metrics`).
+      title: first line of the table (left out when empty).
+    """
+    names = list(metrics)
+    keys: list[str] = []
+    for m in metrics.values():  # union of keys, first-seen order
+        keys += [k for k in m if k not in keys]
+    cells = [[_fmt_metric(k, metrics[n].get(k)) for n in names] for k in keys]
+    key_w = max([len("metric")] + [len(k) for k in keys])
+    col_w = [max([len(n)] + [len(row[j]) for row in cells]) for j, n in enumerate(names)]
+    lines = [title] if title else []
+    lines.append("  ".join(["metric".ljust(key_w)] + [n.rjust(w) for n, w in zip(names, col_w)]))
+    lines.append("  ".join(["-" * key_w] + ["-" * w for w in col_w]))
+    for k, row in zip(keys, cells):
+        lines.append("  ".join([k.ljust(key_w)] + [c.rjust(w) for c, w in zip(row, col_w)]))
+    return "\n".join(lines)
+
+
+def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
+                 curves: Mapping[str, Mapping[str, Any]] | None = None,
+                 records: Sequence[Mapping] | None = None) -> list[Path]:
+    """Writes report/summary.json and every plot the inputs allow; returns the files written.
+
+    Args:
+      out_dir: the run directory (the report goes to ``out_dir/report``).
+      summary: JSON-able dict (final metrics of agent and baselines, config digest, ...).
+      curves: split name -> {policy name -> equity ``[T]`` or ``[n, T]``, optional
+        ``"timestamps"`` -> ``[T]`` datetimes}; gives ``equity_<split>.png``.
+      records: epoch records; read from ``out_dir/metrics.jsonl`` when None.
+    """
+    report_dir = Path(out_dir) / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    summary_path = report_dir / "summary.json"
+    tmp = summary_path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(to_jsonable(summary), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, summary_path)
+    written.append(summary_path)
+
+    for split, split_curves in (curves or {}).items():
+        policies = {k: v for k, v in split_curves.items() if k != "timestamps"}
+        written.append(plot_equity(report_dir / f"equity_{split}.png", policies,
+                                   title=f"Equity on the {split} split",
+                                   timestamps=split_curves.get("timestamps")))
+    if records is None:
+        records = read_metrics(out_dir)
+    if records:
+        written.append(plot_training(report_dir / "training.png", records))
+        written.append(plot_phases(report_dir / "phases.png", records))
+    return written
+
+
+__all__ = ["write_report", "metrics_table", "plot_equity", "plot_training", "plot_phases",
+           "equity_figure", "training_figure", "phases_figure"]

@@ -1,0 +1,179 @@
+"""Trading metrics against hand-computed values and an independent per-bar loop."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from foxhunt_jax.training.metrics import METRIC_KEYS, max_drawdowns, trading_metrics
+
+
+def loop_metrics(equity, exposure, trades, bars_per_year):
+    """Straightforward reference: Python loops over windows and bars, math module only."""
+    rets, dds, totals = [], [], []
+    moves, bars, in_mkt, wins, n_trades = 0.0, 0, 0, 0, 0
+    for w in range(len(equity)):
+        path = []
+        for v in equity[w]:
+            if not math.isfinite(v):
+                break
+            path.append(float(v))
+        totals.append(path[-1] / path[0] - 1.0)
+        peak, worst = path[0], 0.0
+        for v in path:
+            peak = max(peak, v)
+            worst = max(worst, 1.0 - v / peak)
+        dds.append(worst)
+        prev_x = 0.0
+        for t in range(len(path) - 1):
+            r = math.log(path[t + 1] / path[t])
+            rets.append(r)
+            x = float(exposure[w][t])
+            moves += abs(x - prev_x)
+            prev_x = x
+            bars += 1
+            if x != 0:
+                in_mkt += 1
+                wins += r > 0
+            if np.ndim(trades) == 2:
+                n_trades += int(trades[w][t])
+        if np.ndim(trades) == 1:
+            n_trades += int(trades[w])
+    n = len(rets)
+    mean = sum(rets) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rets) / n)
+    down = math.sqrt(sum(min(r, 0.0) ** 2 for r in rets) / n)
+    ann = math.exp(bars_per_year * mean) - 1
+    mdd = sum(dds) / len(dds)
+    a = math.sqrt(bars_per_year)
+    return {
+        "total_return": sum(totals) / len(totals),
+        "annualized_return": ann,
+        "annualized_volatility": std * a,
+        "sharpe": mean / std * a if std > 1e-12 else 0.0,
+        "sortino": mean / down * a if down > 1e-12 else 0.0,
+        "max_drawdown": mdd,
+        "max_drawdown_worst": max(dds),
+        "calmar": ann / mdd if mdd > 1e-12 else 0.0,
+        "turnover": moves / bars,
+        "trades": n_trades,
+        "hit_rate": wins / in_mkt if in_mkt else 0.0,
+        "time_in_market": in_mkt / bars,
+        "bars": bars,
+    }
+
+
+def assert_metrics_close(got, want, rtol=1e-9):
+    assert set(got) == set(METRIC_KEYS) == set(want)
+    for k in METRIC_KEYS:
+        assert got[k] == pytest.approx(want[k], rel=rtol, abs=1e-12), k
+    assert isinstance(got["trades"], int) and isinstance(got["bars"], int)
+    assert all(isinstance(got[k], float) for k in METRIC_KEYS if k not in ("trades", "bars"))
+
+
+def test_double_then_halve_by_hand():
+    equity = np.array([[1.0, 2.0, 1.0]])
+    exposure = np.array([[1.0, 1.0]])
+    m = trading_metrics(equity, exposure, np.array([1]), bars_per_year=252.0)
+    assert m["max_drawdown"] == pytest.approx(0.5)
+    assert m["max_drawdown_worst"] == pytest.approx(0.5)
+    assert m["total_return"] == pytest.approx(0.0)
+    # returns +log2, -log2: mean 0, std log2 -> sharpe 0, annualized return 0, calmar 0
+    assert m["sharpe"] == pytest.approx(0.0, abs=1e-12)
+    assert m["annualized_volatility"] == pytest.approx(math.log(2) * math.sqrt(252))
+    assert m["annualized_return"] == pytest.approx(0.0, abs=1e-12)
+    assert m["calmar"] == pytest.approx(0.0, abs=1e-12)
+    assert m["hit_rate"] == pytest.approx(0.5)
+    assert m["time_in_market"] == 1.0
+    assert m["turnover"] == pytest.approx(0.5)  # 0 -> 1 once over two bars
+    assert m["trades"] == 1 and m["bars"] == 2
+
+
+def test_two_windows_by_hand():
+    # window 0: 1 -> 1.1 -> 0.99 -> 1.21 ; window 1: 1 -> 0.9 then ends (NaN padded)
+    equity = np.array([[1.0, 1.1, 0.99, 1.21], [1.0, 0.9, np.nan, np.nan]])
+    exposure = np.array([[1.0, -0.5, 0.0], [0.5, 1.0, 1.0]])
+    flags = np.array([[1, 1, 1], [1, 1, 0]])
+    m = trading_metrics(equity, exposure, flags, bars_per_year=4.0)
+    r = [math.log(1.1), math.log(0.9), math.log(1.21 / 0.99), math.log(0.9)]
+    mean = sum(r) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in r) / 4)
+    down = math.sqrt((2 * math.log(0.9) ** 2) / 4)
+    assert m["bars"] == 4
+    assert m["total_return"] == pytest.approx((0.21 - 0.1) / 2)
+    assert m["sharpe"] == pytest.approx(mean / std * 2.0)
+    assert m["sortino"] == pytest.approx(mean / down * 2.0)
+    assert m["annualized_return"] == pytest.approx(math.exp(4 * mean) - 1)
+    assert m["max_drawdown"] == pytest.approx((0.1 + 0.1) / 2)  # 1.1 -> 0.99 and 1 -> 0.9
+    # in market: w0 bars 0, 1 (r>0, r<0); w1 bar 0 (r<0) -> 1 win of 3
+    assert m["hit_rate"] == pytest.approx(1 / 3)
+    assert m["time_in_market"] == pytest.approx(3 / 4)
+    # |1-0| + |-0.5-1| + |0+0.5| + |0.5-0| = 3.5 over 4 bars
+    assert m["turnover"] == pytest.approx(3.5 / 4)
+    assert m["trades"] == 4  # flags on valid bars only
+
+
+def test_zero_variance_gives_zero_not_nan():
+    for path in ([1.0] * 6, [1.01 ** k for k in range(6)]):
+        m = trading_metrics(np.array([path]), np.zeros((1, 5)), np.zeros(1), 252.0)
+        assert all(np.isfinite(float(m[k])) for k in METRIC_KEYS)
+        assert m["sharpe"] == 0.0 and m["sortino"] == 0.0
+        assert m["max_drawdown"] == 0.0 and m["calmar"] == 0.0
+        assert m["hit_rate"] == 0.0 and m["time_in_market"] == 0.0
+
+
+def test_single_window_1d_inputs_equal_2d():
+    rng = np.random.default_rng(3)
+    eq = np.cumprod(np.r_[1.0, np.exp(rng.normal(0, 0.01, 30))])
+    x = rng.choice([-1.0, 0.0, 1.0], 30)
+    flags = rng.integers(0, 2, 30)
+    one = trading_metrics(eq, x, flags, 252.0)
+    assert one == trading_metrics(eq[None], x[None], flags[None], 252.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_paths_match_loop(seed):
+    rng = np.random.default_rng(seed)
+    w, t = int(rng.integers(1, 6)), int(rng.integers(2, 40))
+    r = rng.normal(0.0005, 0.02, (w, t))
+    equity = np.concatenate([np.ones((w, 1)), np.cumprod(np.exp(r), axis=1)], axis=1)
+    equity *= rng.uniform(0.5, 2.0, (w, 1))  # initial equity need not be 1
+    lengths = rng.integers(1, t + 1, w)  # windows end early and are NaN-padded
+    for i, n in enumerate(lengths):
+        equity[i, n + 1:] = np.nan
+    exposure = rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0], (w, t))
+    exposure[rng.random((w, t)) < 0.1] = np.nan  # values past the end are ignored; inside: 0
+    exposure_ref = np.nan_to_num(exposure)
+    if seed % 2:
+        trades = rng.integers(0, 2, (w, t))
+    else:
+        trades = rng.integers(0, 9, w)
+    bpy = float(rng.uniform(50, 10000))
+    got = trading_metrics(equity, exposure, trades, bpy)
+    assert_metrics_close(got, loop_metrics(equity, exposure_ref, trades, bpy))
+
+
+def test_max_drawdown_ignores_padding_and_later_values():
+    equity = np.array([[1.0, 3.0, 1.5, np.nan, 0.1], [2.0, 1.0, 4.0, 3.0, 1.0]])
+    np.testing.assert_allclose(max_drawdowns(equity), [0.5, 0.75])
+
+
+def test_total_loss_is_finite_large_loss():
+    m = trading_metrics(np.array([[1.0, 0.5, 0.0]]), np.ones((1, 2)), np.ones(1), 252.0)
+    assert m["total_return"] == -1.0 and m["max_drawdown"] == 1.0
+    assert np.isfinite(m["sharpe"]) and m["annualized_return"] == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(exposure=np.zeros((3, 3))),
+    dict(trades=np.zeros(5)),
+    dict(bpy=0.0),
+    dict(equity=np.array([[np.nan, 1.0, 1.0, 1.0], [1.0] * 4])),
+])
+def test_bad_shapes_raise(bad):
+    args = dict(equity=np.ones((2, 4)), exposure=np.zeros((2, 3)), trades=np.zeros(2), bpy=252.0)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        trading_metrics(args["equity"], args["exposure"], args["trades"], args["bpy"])
