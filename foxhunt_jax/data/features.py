@@ -1,0 +1,305 @@
+"""Per-bar features, time splits and normalization: MarketData -> MarketTables (host NumPy).
+
+Every feature of bar ``t`` is a function of the bars ``t - 63 .. t`` of its own instrument only,
+so nothing reads the future. The first ``WARMUP`` (64) bars of each instrument lack a full
+history and are dropped. The remaining rows of each instrument are split by time into train,
+validation and test; features are normalized with the mean and std of the train rows of all
+instruments pooled (so nothing about validation or test leaks into the train inputs), then
+clipped to [-10, 10]. Instruments are concatenated into one table so that an episode gathers
+its row with a single index.
+
+Feature list (F = 34, all float64 before normalization; ``r`` = one-bar log return of Close):
+
+- ``ret_1`` (feature 0; the synthetic market plants its signal here), ``ret_2``, ``ret_5``,
+  ``ret_10``, ``ret_20``, ``ret_60``: log(C_t / C_{t-n});
+- ``ret_1_lag1`` .. ``ret_1_lag4``: r_{t-k};
+- ``vol_5``, ``vol_10``, ``vol_20``, ``vol_60``: std (ddof 0) of r over the last n bars;
+- ``vol_ratio_5_60``, ``vol_ratio_20_60``: log(vol_n / vol_60) (0 when either is 0);
+- ``ret_1_z``: r_t / vol_20 (0 when vol_20 is 0);
+- ``bar_pos``: (C - L) / (H - L), 0.5 when H == L; ``bar_range``: log(H / L);
+  ``bar_body``: log(C / O); ``upper_wick``: log(H / max(O, C)); ``lower_wick``: log(min(O, C) / L);
+  ``gap``: log(O_t / C_{t-1});
+- ``range_pos_20``, ``range_pos_60``: (C - min L) / (max H - min L) over the last n bars, 0.5
+  when the range is empty;
+- ``range_vol_20``: mean of log(H / L) over 20 bars;
+- ``high_dist_60``: log(C / max H over 60 bars), ``low_dist_60``: log(C / min L over 60 bars);
+- ``volume_z_20``, ``volume_z_60``: z-score of log(1 + V_t) against the last n bars (0 when
+  the std is 0, for instance when an instrument has no volume);
+- ``ma_gap_5``, ``ma_gap_10``, ``ma_gap_20``, ``ma_gap_50``: log(C / SMA_n(C)).
+
+``sigma[t]`` (barrier width, not normalized) is the std (ddof 0) of r over the 20 bars ending at
+t, floored at 1e-4. ``last_log_return[t]`` is the raw r_t (for the oracle and buy-and-hold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.data.market import Instrument, MarketData
+
+WARMUP = 64  # bars dropped per instrument: the longest window (61 closes) plus margin
+SPLITS = ("train", "validation", "test")
+SIGMA_WINDOW = 20
+SIGMA_FLOOR = 1e-4
+STD_FLOOR = 1e-8
+CLIP = 10.0
+_CHUNK = 1 << 15  # rows per block in rolling reductions, bounds the [rows, window] temporaries
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "ret_1", "ret_2", "ret_5", "ret_10", "ret_20", "ret_60",
+    "ret_1_lag1", "ret_1_lag2", "ret_1_lag3", "ret_1_lag4",
+    "vol_5", "vol_10", "vol_20", "vol_60",
+    "vol_ratio_5_60", "vol_ratio_20_60", "ret_1_z",
+    "bar_pos", "bar_range", "bar_body", "upper_wick", "lower_wick", "gap",
+    "range_pos_20", "range_pos_60", "range_vol_20", "high_dist_60", "low_dist_60",
+    "volume_z_20", "volume_z_60",
+    "ma_gap_5", "ma_gap_10", "ma_gap_20", "ma_gap_50",
+)
+
+
+@dataclass(frozen=True)
+class MarketTables:
+    """Host arrays of all instruments concatenated; ``T`` rows, ``F`` features.
+
+    features [T, F] float32 (normalized with train statistics, clipped to [-10, 10]);
+    open, high, low, close, sigma, last_log_return [T] float32; instrument [T] int32;
+    timestamps [T] datetime64[ns];
+    segments[split] int64 [n_instruments, 2]: first and last global row of that split of each
+    instrument, inclusive (an empty segment has last = first - 1);
+    starts[split] int32 [S]: valid episode starts (bars s .. s + episode_length in one segment);
+    norm_mean, norm_std float32 [F]: the statistics applied (train rows only).
+    """
+
+    features: np.ndarray
+    open: np.ndarray
+    high: np.ndarray
+    low: np.ndarray
+    close: np.ndarray
+    sigma: np.ndarray
+    last_log_return: np.ndarray
+    instrument: np.ndarray
+    timestamps: np.ndarray
+    segments: dict
+    starts: dict
+    feature_names: tuple
+    norm_mean: np.ndarray
+    norm_std: np.ndarray
+    instrument_names: tuple
+    bar_seconds: float
+    bars_per_year: float
+    episode_length: int
+
+    @property
+    def num_features(self) -> int:
+        return int(self.features.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal rolling windows: entry t reduces x[t - n + 1 .. t]; entries t < n - 1 are NaN.
+
+
+def _rolling(x: np.ndarray, n: int, reduce) -> np.ndarray:
+    """[m] -> [m]; ``reduce(windows [rows, n]) -> [rows]`` applied block by block."""
+    out = np.full(x.shape[0], np.nan)
+    if x.shape[0] < n:
+        return out
+    win = np.lib.stride_tricks.sliding_window_view(x, n)
+    for a in range(0, win.shape[0], _CHUNK):
+        out[n - 1 + a: n - 1 + a + _CHUNK] = reduce(win[a: a + _CHUNK])
+    return out
+
+
+def _mean(x, n):
+    return _rolling(x, n, lambda w: w.mean(axis=1))
+
+
+def _std(x, n):
+    return _rolling(x, n, lambda w: w.std(axis=1))
+
+
+def _max(x, n):
+    return _rolling(x, n, lambda w: w.max(axis=1))
+
+
+def _min(x, n):
+    return _rolling(x, n, lambda w: w.min(axis=1))
+
+
+def _lag(x: np.ndarray, k: int) -> np.ndarray:
+    """x[t - k] at t; NaN for t < k."""
+    out = np.full_like(x, np.nan)
+    if k < x.shape[0]:
+        out[k:] = x[: x.shape[0] - k]
+    return out
+
+
+def _safe_div(num, den, fill):
+    """num / den where den > 0, else ``fill`` (NaN inputs stay NaN)."""
+    ok = den > 0
+    return np.where(ok, num / np.where(ok, den, 1.0), np.where(np.isnan(den), np.nan, fill))
+
+
+def log_returns(close: np.ndarray) -> np.ndarray:
+    """[m] closes -> [m] one-bar log returns, NaN at t = 0."""
+    r = np.full(close.shape[0], np.nan)
+    r[1:] = np.log(close[1:] / close[:-1])
+    return r
+
+
+def rolling_sigma(close: np.ndarray) -> np.ndarray:
+    """[m] -> [m]: std of one-bar log returns over the 20 bars ending at t, floored at 1e-4."""
+    return np.maximum(_std(log_returns(close), SIGMA_WINDOW), SIGMA_FLOOR)
+
+
+def instrument_features(ins: Instrument) -> np.ndarray:
+    """Raw (un-normalized) features of one instrument: [n] bars -> [n, F] float64.
+
+    Row t uses bars <= t only; rows t < WARMUP may hold NaN (dropped by build_tables).
+    """
+    o, h, lo, c = (np.asarray(a, np.float64) for a in (ins.open, ins.high, ins.low, ins.close))
+    v = np.asarray(ins.volume, np.float64)
+    logc = np.log(c)
+    r = log_returns(c)
+    cols: dict[str, np.ndarray] = {}
+    for n in (1, 2, 5, 10, 20, 60):
+        cols[f"ret_{n}"] = logc - _lag(logc, n)
+    for k in (1, 2, 3, 4):
+        cols[f"ret_1_lag{k}"] = _lag(r, k)
+    vol = {n: _std(r, n) for n in (5, 10, 20, 60)}
+    for n, s in vol.items():
+        cols[f"vol_{n}"] = s
+    for n in (5, 20):
+        ok = (vol[n] > 0) & (vol[60] > 0)
+        ratio = np.log(np.where(ok, vol[n], 1.0) / np.where(ok, vol[60], 1.0))
+        cols[f"vol_ratio_{n}_60"] = np.where(np.isnan(vol[60] + vol[n]), np.nan, ratio)
+    cols["ret_1_z"] = _safe_div(r, vol[20], 0.0)
+    cols["bar_pos"] = _safe_div(c - lo, h - lo, 0.5)
+    bar_range = np.log(h / lo)
+    cols["bar_range"] = bar_range
+    cols["bar_body"] = np.log(c / o)
+    cols["upper_wick"] = np.log(h / np.maximum(o, c))
+    cols["lower_wick"] = np.log(np.minimum(o, c) / lo)
+    cols["gap"] = np.log(o / _lag(c, 1))
+    hi = {n: _max(h, n) for n in (20, 60)}
+    lw = {n: _min(lo, n) for n in (20, 60)}
+    for n in (20, 60):
+        cols[f"range_pos_{n}"] = _safe_div(c - lw[n], hi[n] - lw[n], 0.5)
+    cols["range_vol_20"] = _mean(bar_range, 20)
+    cols["high_dist_60"] = logc - np.log(hi[60])
+    cols["low_dist_60"] = logc - np.log(lw[60])
+    lv = np.log1p(np.maximum(v, 0.0))
+    for n in (20, 60):
+        cols[f"volume_z_{n}"] = _safe_div(lv - _mean(lv, n), _std(lv, n), 0.0)
+    for n in (5, 10, 20, 50):
+        cols[f"ma_gap_{n}"] = logc - np.log(_mean(c, n))
+    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_args(splits, episode_length) -> None:
+    if len(splits) != 3 or any(not (s > 0) for s in splits) or abs(sum(splits) - 1) > 1e-6:
+        raise ConfigError(f"data.splits must be three positive fractions summing to 1, "
+                          f"got {splits!r}")
+    if int(episode_length) != episode_length or episode_length < 1:
+        raise ConfigError(f"env.episode_length must be an integer >= 1, got {episode_length!r}")
+
+
+def split_bounds(rows: int, splits) -> list[tuple[int, int]]:
+    """Local [first, last] (inclusive) rows of train/validation/test for ``rows`` rows by time."""
+    b1 = int(round(rows * splits[0]))
+    b2 = int(round(rows * (splits[0] + splits[1])))
+    b2 = max(b1, min(b2, rows))
+    return [(0, b1 - 1), (b1, b2 - 1), (b2, rows - 1)]
+
+
+def _train_stats(raw: list, train: list) -> tuple[np.ndarray, np.ndarray]:
+    """Pooled mean and std (ddof 0, floored) of the train rows, two passes over instruments.
+
+    raw: per-instrument [n_i, F] float64; train: per-instrument local (first, last) inclusive.
+    Returns float32 [F] each; these rounded values are the ones applied.
+    """
+    parts = [x[a: b + 1] for x, (a, b) in zip(raw, train) if b >= a]
+    count = sum(len(x) for x in parts)
+    mean = sum(x.sum(axis=0) for x in parts) / count
+    var = sum(((x - mean) ** 2).sum(axis=0) for x in parts) / count
+    return mean.astype(np.float32), np.maximum(np.sqrt(var), STD_FLOOR).astype(np.float32)
+
+
+def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: int = 100
+                 ) -> MarketTables:
+    """Features, splits, normalization and valid starts of all instruments (see module doc).
+
+    Raises DataError when a split has no valid episode start in any instrument.
+    """
+    _check_args(splits, episode_length)
+    L = int(episode_length)
+    raw, sig, lr, prices, inst, stamps, train_local = [], [], [], [], [], [], []
+    segments = {s: [] for s in SPLITS}
+    starts = {s: [] for s in SPLITS}
+    offset = 0
+    for i, ins in enumerate(market.instruments):
+        keep = slice(WARMUP, None)
+        rows = max(len(ins) - WARMUP, 0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # bad prices: reported below
+            raw.append(instrument_features(ins)[keep])
+            sig.append(rolling_sigma(np.asarray(ins.close, np.float64))[keep])
+            lr.append(log_returns(np.asarray(ins.close, np.float64))[keep])
+        prices.append(np.stack([np.asarray(a, np.float64)[keep]
+                                for a in (ins.open, ins.high, ins.low, ins.close)]))
+        inst.append(np.full(rows, i, np.int32))
+        stamps.append(np.asarray(ins.timestamps)[keep].astype("datetime64[ns]"))
+        bounds = split_bounds(rows, splits)
+        train_local.append(bounds[0])
+        for name, (a, b) in zip(SPLITS, bounds):
+            segments[name].append((offset + a, offset + b))
+            if b - a >= L:  # needs L + 1 bars: s .. s + L
+                starts[name].append(np.arange(offset + a, offset + b - L + 1, dtype=np.int32))
+        offset += rows
+
+    seg = {k: np.asarray(v, np.int64).reshape(-1, 2) for k, v in segments.items()}
+    for name in SPLITS:
+        if not starts[name]:
+            longest = int(max((b - a + 1 for a, b in seg[name]), default=0))
+            sources = ", ".join(sorted({ins.source for ins in market.instruments})) or "market"
+            raise DataError(sources, f"split '{name}' has no valid episode start: it needs "
+                            f"{L + 1} bars (episode_length + 1) in one instrument after the "
+                            f"{WARMUP}-bar warm-up, the longest has {longest}")
+    for ins, x in zip(market.instruments, raw):
+        if not np.all(np.isfinite(x)):
+            row, col = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
+            raise DataError(ins.source, f"feature '{FEATURE_NAMES[col]}' is not finite at bar "
+                            f"{row + WARMUP} of instrument {ins.name} (non-positive prices?)")
+    mean, std = _train_stats(raw, train_local)
+    normed = np.empty((offset, len(FEATURE_NAMES)), np.float32)
+    m64, s64 = mean.astype(np.float64), std.astype(np.float64)
+    row = 0
+    for x in raw:  # per instrument, so no float64 copy of the whole table is made
+        normed[row: row + len(x)] = np.clip((x - m64) / s64, -CLIP, CLIP)
+        row += len(x)
+    p = np.concatenate(prices, axis=1).astype(np.float32)
+    return MarketTables(
+        features=normed,
+        open=p[0], high=p[1], low=p[2], close=p[3],
+        sigma=np.concatenate(sig).astype(np.float32),
+        last_log_return=np.concatenate(lr).astype(np.float32),
+        instrument=np.concatenate(inst).astype(np.int32),
+        timestamps=np.concatenate(stamps),
+        segments=seg,
+        starts={k: np.concatenate(v).astype(np.int32) for k, v in starts.items()},
+        feature_names=FEATURE_NAMES,
+        norm_mean=mean,
+        norm_std=std,
+        instrument_names=tuple(ins.name for ins in market.instruments),
+        bar_seconds=float(market.bar_seconds),
+        bars_per_year=float(market.bars_per_year),
+        episode_length=L,
+    )
+
+
+__all__ = ["MarketTables", "build_tables", "instrument_features", "rolling_sigma", "log_returns",
+           "split_bounds", "FEATURE_NAMES", "WARMUP", "SPLITS"]

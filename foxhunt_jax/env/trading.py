@@ -1,0 +1,347 @@
+"""The trading environment as pure JAX functions (gymnax 1.x style, one episode; vmap for N).
+
+The rules are those of docs/environment.md, which is the specification; ``tests/reference_env.py``
+simulates the same rules in float64 NumPy and the tests require equal equity paths.
+
+Timing at global bar t: observe feature row t, fill the action at close[t], check bar t+1's
+Open/High/Low against the barriers, mark at close[t+1], move to bar t+1. Money (equity, cash,
+units) is float32 on device; initial equity is 1.
+
+Action layout [B] int32: exposure index; then the take-profit index when ``env.take_profit`` is
+non-empty; then the stop-loss index when ``env.stop_loss`` is non-empty.
+
+Two guards the spec leaves open, shared with the reference simulator:
+- the side of a position (for barrier checks) is the sign of its nominal ``exposure``;
+- the reward and ``log(equity)`` observation floor equity at ``EQUITY_FLOOR`` (1e-6) so a
+  ruinous gap that wipes out equity gives a large finite penalty instead of NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from foxhunt_jax.config import EnvConfig
+from foxhunt_jax.data.features import MarketTables, SPLITS
+from foxhunt_jax.errors import ConfigError
+
+PORTFOLIO_DIM = P = 6  # portfolio features appended to the market features
+EQUITY_FLOOR = 1e-6
+OBS_CLIP = 10.0
+NONE, TAKE_PROFIT, STOP_LOSS, TIME = 0, 1, 2, 3  # info["barrier"] codes
+
+
+@struct.dataclass
+class EnvParams:
+    """Device arrays of one split plus the env settings (shared by all vmapped episodes).
+
+    features [T, F] f32; open, high, low, close, sigma [T] f32; starts [S] int32;
+    exposures [n0] f32; take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is
+    off); cost_rate, fixed_cost, ruin_floor, reward_scale: f32 scalars.
+    """
+
+    features: jax.Array
+    open: jax.Array
+    high: jax.Array
+    low: jax.Array
+    close: jax.Array
+    sigma: jax.Array
+    starts: jax.Array
+    exposures: jax.Array
+    take_profit: jax.Array
+    stop_loss: jax.Array
+    cost_rate: jax.Array
+    fixed_cost: jax.Array
+    ruin_floor: jax.Array
+    reward_scale: jax.Array
+    episode_length: int = struct.field(pytree_node=False, default=100)
+    time_barrier: int = struct.field(pytree_node=False, default=20)
+    has_take_profit: bool = struct.field(pytree_node=False, default=True)
+    has_stop_loss: bool = struct.field(pytree_node=False, default=True)
+
+
+@struct.dataclass
+class EnvState:
+    """One episode. bar/step/time_in_trade int32 scalars; the rest float32 scalars.
+
+    A flat position has units = exposure = entry_price = tp_price = sl_price = 0.
+    """
+
+    bar: jax.Array
+    step: jax.Array
+    equity: jax.Array
+    cash: jax.Array
+    units: jax.Array
+    exposure: jax.Array
+    entry_price: jax.Array
+    tp_price: jax.Array
+    sl_price: jax.Array
+    time_in_trade: jax.Array
+
+
+def branch_sizes(env_cfg: EnvConfig) -> tuple[int, ...]:
+    return env_cfg.branch_sizes
+
+
+def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str) -> EnvParams:
+    """Device params of ``split`` ("train", "validation" or "test").
+
+    ``starts`` are the tables' valid starts of the split, valid for ``tables.episode_length``
+    steps; with a longer ``env_cfg.episode_length`` (walking a whole split), start episodes
+    with :func:`reset_at` at bars that leave room for them instead of :func:`reset`.
+    """
+    if split not in tables.starts:
+        raise ConfigError(f"unknown split '{split}' (known: {', '.join(SPLITS)})")
+    f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
+    return EnvParams(
+        features=f32(tables.features), open=f32(tables.open), high=f32(tables.high),
+        low=f32(tables.low), close=f32(tables.close), sigma=f32(tables.sigma),
+        starts=jnp.asarray(np.asarray(tables.starts[split], np.int32)),
+        exposures=f32(env_cfg.exposures), take_profit=f32(env_cfg.take_profit),
+        stop_loss=f32(env_cfg.stop_loss), cost_rate=f32(env_cfg.cost_bps / 1e4),
+        fixed_cost=f32(env_cfg.fixed_cost), ruin_floor=f32(env_cfg.ruin_floor),
+        reward_scale=f32(env_cfg.reward_scale), episode_length=int(env_cfg.episode_length),
+        time_barrier=int(env_cfg.time_barrier), has_take_profit=bool(env_cfg.take_profit),
+        has_stop_loss=bool(env_cfg.stop_loss))
+
+
+def obs_dim(params: EnvParams) -> int:
+    return int(params.features.shape[1]) + P
+
+
+def num_branches(params: EnvParams) -> int:
+    return 1 + int(params.has_take_profit) + int(params.has_stop_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# Observation
+
+
+def portfolio_obs(state: EnvState, params: EnvParams) -> jax.Array:
+    """[P] = [exposure, unrealized / equity, time_in_trade / H, tp dist, sl dist, log equity]."""
+    c = params.close[state.bar]
+    s = params.sigma[state.bar]
+    open_ = state.units != 0
+    eq = jnp.maximum(state.equity, EQUITY_FLOOR)
+    unreal = jnp.where(open_, state.units * (c - state.entry_price) / eq, 0.0)
+
+    def dist(level):
+        # a disabled level is 0 or +inf, a cleared one 0: both give 0
+        ok = open_ & (level > 0) & jnp.isfinite(level)
+        # log1p of the (exact, nearby-float) difference keeps precision when level ~ c
+        d = jnp.log1p((jnp.where(ok, level, c) - c) / c) / s
+        return jnp.where(ok, jnp.clip(d, -OBS_CLIP, OBS_CLIP), 0.0)
+
+    return jnp.stack([
+        state.exposure, unreal,
+        state.time_in_trade.astype(jnp.float32) / params.time_barrier,
+        dist(state.tp_price), dist(state.sl_price), jnp.log(eq),
+    ]).astype(jnp.float32)
+
+
+def obs_from(bar: jax.Array, portfolio: jax.Array, params: EnvParams) -> jax.Array:
+    """(bar int32 [], portfolio [P]) -> observation [D]; the replay buffer's compact form."""
+    return jnp.concatenate([params.features[bar], portfolio])
+
+
+def observation(state: EnvState, params: EnvParams) -> jax.Array:
+    """[D] = concat(features[bar], portfolio_obs)."""
+    return obs_from(state.bar, portfolio_obs(state, params), params)
+
+
+def encode(obs: jax.Array, state: EnvState) -> dict:
+    """Compact replay form of an observation: {"bar": int32 [], "portfolio": [P]}."""
+    return {"bar": state.bar, "portfolio": obs[-P:]}
+
+
+def decode(enc: dict, params: EnvParams) -> jax.Array:
+    """Batched inverse of :func:`encode`: {"bar": [M], "portfolio": [M, P]} -> [M, D]."""
+    return jax.vmap(obs_from, in_axes=(0, 0, None))(enc["bar"], enc["portfolio"], params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reset and step
+
+
+def reset_at(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
+    """A fresh flat episode at global bar ``bar`` -> (obs [D], state)."""
+    zero = jnp.zeros((), jnp.float32)
+    one = jnp.ones((), jnp.float32)
+    izero = jnp.zeros((), jnp.int32)
+    state = EnvState(bar=jnp.asarray(bar, jnp.int32), step=izero, equity=one, cash=one,
+                     units=zero, exposure=zero, entry_price=zero, tp_price=zero, sl_price=zero,
+                     time_in_trade=izero)
+    return observation(state, params), state
+
+
+def reset(key: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
+    """A fresh episode at a uniformly drawn valid start of the split."""
+    i = jax.random.randint(key, (), 0, params.starts.shape[0])
+    return reset_at(params.starts[i], params)
+
+
+def _barrier_levels(c, s, e_new, a_tp, a_sl, params: EnvParams):
+    """Take-profit and stop-loss prices of a new position of exposure ``e_new`` entered at c.
+
+    ``c +- c * (k * s)`` equals the spec's ``c * (1 +- k * s)``; the rounding error of the small
+    move hardly shows in the sum, which rounds once, so the float32 level is almost always the
+    correctly rounded value the float64 reference stores.
+    """
+    long = e_new > 0
+    inf = jnp.float32(jnp.inf)
+    if params.has_take_profit:
+        move = c * (params.take_profit[a_tp] * s)
+        tp = jnp.where(long, c + move, c - move)
+    else:
+        tp = jnp.where(long, inf, 0.0)
+    if params.has_stop_loss:
+        move = c * (params.stop_loss[a_sl] * s)
+        sl = jnp.where(long, c - move, c + move)
+    else:
+        sl = jnp.where(long, 0.0, inf)
+    return tp.astype(jnp.float32), sl.astype(jnp.float32)
+
+
+def step_env(key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams):
+    """One step from bar t, no auto-reset.
+
+    action [B] int32 -> (obs [D], state, reward [], terminated [], truncated [], info).
+    info: equity, cost, traded (bool), exit_price (0 when no barrier exit), barrier (int32).
+    """
+    del key  # the step is deterministic
+    t = state.bar
+    c, s = params.close[t], params.sigma[t]
+    a_tp = action[1] if params.has_take_profit else 0
+    a_sl = action[1 + int(params.has_take_profit)] if params.has_stop_loss else 0
+    e, e_new = state.exposure, params.exposures[action[0]]
+
+    # 1. trade at close[t]
+    equity_t = state.cash + state.units * c
+    traded = e_new != e
+    units_new = e_new * equity_t / c
+    dunits = units_new - state.units
+    trade_cost = jnp.where(traded, jnp.abs(dunits) * c * params.cost_rate + params.fixed_cost, 0.0)
+    cash = jnp.where(traded, state.cash - dunits * c - trade_cost, state.cash)
+    units = jnp.where(traded, units_new, state.units)
+    exposure = jnp.where(traded, e_new, e)
+    tp_new, sl_new = _barrier_levels(c, s, e_new, a_tp, a_sl, params)
+    opened = traded & (e_new != 0)
+    flat_now = traded & (e_new == 0)
+    tp = jnp.where(opened, tp_new, jnp.where(flat_now, 0.0, state.tp_price))
+    sl = jnp.where(opened, sl_new, jnp.where(flat_now, 0.0, state.sl_price))
+    entry = jnp.where(opened, c, jnp.where(flat_now, 0.0, state.entry_price))
+    tit = jnp.where(traded, 0, state.time_in_trade)
+
+    # 2. barriers on bar t+1
+    n = t + 1
+    o, h, lo, cn = params.open[n], params.high[n], params.low[n], params.close[n]
+    holding = units != 0
+    long = exposure > 0
+    sl_hit = holding & jnp.where(long, lo <= sl, h >= sl)
+    tp_hit = holding & ~sl_hit & jnp.where(long, h >= tp, lo <= tp)
+    time_hit = holding & ~sl_hit & ~tp_hit & (tit + 1 >= params.time_barrier)
+    sl_px = jnp.where(long, jnp.minimum(o, sl), jnp.maximum(o, sl))
+    tp_px = jnp.where(long, jnp.maximum(o, tp), jnp.minimum(o, tp))
+    exited = sl_hit | tp_hit | time_hit
+    exit_price = jnp.where(sl_hit, sl_px, jnp.where(tp_hit, tp_px, jnp.where(time_hit, cn, 0.0)))
+    barrier = jnp.where(sl_hit, STOP_LOSS, jnp.where(tp_hit, TAKE_PROFIT,
+                                                     jnp.where(time_hit, TIME, NONE)))
+    exit_cost = jnp.where(exited, jnp.abs(units) * exit_price * params.cost_rate
+                          + params.fixed_cost, 0.0)
+    cash = jnp.where(exited, cash + units * exit_price - exit_cost, cash)
+    units = jnp.where(exited, 0.0, units)
+    exposure = jnp.where(exited, 0.0, exposure)
+    tp = jnp.where(exited, 0.0, tp)
+    sl = jnp.where(exited, 0.0, sl)
+    entry = jnp.where(exited, 0.0, entry)
+    tit = jnp.where(exited, 0, jnp.where(holding, tit + 1, tit))
+
+    # 3-5. mark, reward, done
+    equity = cash + units * cn
+    reward = params.reward_scale * jnp.log(jnp.maximum(equity, EQUITY_FLOOR)
+                                           / jnp.maximum(equity_t, EQUITY_FLOOR))
+    terminated = equity < params.ruin_floor
+    truncated = (state.step + 1 >= params.episode_length) & ~terminated
+
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    new_state = EnvState(bar=n.astype(jnp.int32), step=(state.step + 1).astype(jnp.int32),
+                         equity=f32(equity), cash=f32(cash), units=f32(units),
+                         exposure=f32(exposure), entry_price=f32(entry), tp_price=f32(tp),
+                         sl_price=f32(sl), time_in_trade=tit.astype(jnp.int32))
+    info = {"equity": f32(equity), "cost": f32(trade_cost + exit_cost), "traded": traded,
+            "exit_price": f32(exit_price), "barrier": barrier.astype(jnp.int32)}
+    return (observation(new_state, params), new_state, f32(reward), terminated, truncated, info)
+
+
+def step(key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams):
+    """:func:`step_env`, then a fresh :func:`reset` (new random start) when the episode ended.
+
+    reward, terminated, truncated and info are those of the step that ended the episode.
+    """
+    # step_env is deterministic, so the whole key goes to the reset (one fewer PRNG call)
+    obs, new_state, reward, terminated, truncated, info = step_env(key, state, action, params)
+    obs_re, state_re = reset(key, params)
+    done = terminated | truncated
+    new_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), state_re, new_state)
+    obs = jnp.where(done, obs_re, obs)
+    return obs, new_state, reward, terminated, truncated, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched rollouts
+
+
+def random_policy(sizes) -> Callable:
+    """policy(key, obs [N, D]) -> actions [N, B] int32, uniform in every branch.
+
+    Cached per ``sizes`` so that the same function object (and jit cache entry) is reused.
+    """
+    return _random_policy(tuple(int(n) for n in sizes))
+
+
+@functools.lru_cache(maxsize=None)
+def _random_policy(sizes: tuple[int, ...]) -> Callable:
+    high = np.asarray(sizes, np.int32)
+
+    def policy(key, obs):
+        return jax.random.randint(key, (obs.shape[0], high.shape[0]), 0, high, dtype=jnp.int32)
+
+    return policy
+
+
+@functools.partial(jax.jit, static_argnames=("policy_fn", "num_episodes", "num_steps"))
+def rollout(key: jax.Array, params: EnvParams, policy_fn: Callable, num_episodes: int,
+            num_steps: int) -> dict:
+    """N episodes (vmap) for L steps (scan) with auto-reset.
+
+    Returns {"reward", "equity", "terminated", "truncated"}, each [L, N].
+    """
+    key_reset, key_run = jax.random.split(key)
+    obs, state = jax.vmap(reset, in_axes=(0, None))(jax.random.split(key_reset, num_episodes),
+                                                     params)
+    step_v = jax.vmap(step, in_axes=(0, 0, 0, None))
+
+    def body(carry, k):
+        obs, state = carry
+        keys = jax.random.split(k, num_episodes + 1)
+        actions = policy_fn(keys[0], obs)
+        obs, state, reward, term, trunc, info = step_v(keys[1:], state, actions, params)
+        out = {"reward": reward, "equity": info["equity"], "terminated": term,
+               "truncated": trunc}
+        return (obs, state), out
+
+    _, out = jax.lax.scan(body, (obs, state), jax.random.split(key_run, num_steps))
+    return out
+
+
+__all__ = [
+    "EnvParams", "EnvState", "make_params", "reset", "reset_at", "step_env", "step",
+    "observation", "portfolio_obs", "obs_from", "obs_dim", "branch_sizes", "num_branches",
+    "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
+    "STOP_LOSS", "TIME",
+]
