@@ -135,9 +135,60 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # Registry and entry point
 
+def _args_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default="default",
+                   help="YAML config: a path or a name in configs/ (default: default)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable)")
+    p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
+                   help="market data replacing data.source (repeatable)")
+    p.add_argument("--out", metavar="DIR", default=None, help="run directory (default: runs/<config>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from foxhunt_jax import api
+    from foxhunt_jax.config import load_config
+    from foxhunt_jax.jitcache import enable_compilation_cache
+
+    enable_compilation_cache()
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
+    cfg = load_config(args.config, overrides)
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
+    api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
+    print(f"run directory: {out} (report in {out / 'report'})")
+    return 0
+
+
+def _args_evaluate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
+    p.add_argument("--split", choices=("validation", "test"), default="test")
+    p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
+                   help="evaluate on other market data (repeatable)")
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from foxhunt_jax import api
+    from foxhunt_jax.jitcache import enable_compilation_cache
+
+    enable_compilation_cache()
+    api.evaluate(args.run, split=args.split, data=args.data)
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("data", "check"), "validate market data files and summarize them",
             _args_data_check, cmd_data_check),
+    Command(("train",), "train the agent and write a run directory", _args_train, cmd_train),
+    Command(("evaluate",), "evaluate a trained run on the validation or test split",
+            _args_evaluate, cmd_evaluate),
 )
 
 
@@ -192,4 +243,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "human_duration"]
+__all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
+           "cmd_evaluate", "human_duration"]

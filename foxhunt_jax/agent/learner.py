@@ -1,0 +1,183 @@
+"""The learner step: C51 double-Q update with prioritized replay, target update and RND.
+
+One jitted function does a whole step (DESIGN 3.9):
+
+    sample batch (prioritized) -> decode observations -> online(s), target(s'), online(s')
+    -> per-sample C51 double-Q loss -> importance-weighted mean -> grads
+    -> optax chain(clip_by_global_norm, adam) -> target update (hard every M steps or Polyak)
+    -> new priorities = per-sample loss -> RND predictor update on s'
+
+``train_steps`` runs K of them under ``lax.scan``. The learner is generic over what the replay
+buffer stores: ``decode(items) -> (obs [M, D], next_obs [M, D])`` rebuilds observations, so the
+trading agent can store compact transitions and CartPole can store whole observations.
+
+A replay item must hold ``action [B] int32``, ``reward`` (the n-step return) and ``discount``
+(gamma^k, 0 when the episode terminated inside the n-step window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from foxhunt_jax.agent import curiosity, replay
+from foxhunt_jax.agent.loss import c51_double_q_loss
+from foxhunt_jax.agent.network import QNetwork, support as make_support
+from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
+
+Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
+
+
+@struct.dataclass
+class AgentState:
+    """Everything the learner updates. ``rnd`` is None when curiosity is off."""
+
+    params: Any
+    target_params: Any
+    opt_state: Any
+    rnd: Any
+    step: jax.Array  # learner steps taken, int32
+
+
+@dataclass(frozen=True)
+class Learner:
+    """Static pieces of the learner: network, optimizer and hyper-parameters (hashable for jit)."""
+
+    network: QNetwork
+    optimizer: optax.GradientTransformation
+    net_cfg: NetworkConfig
+    train_cfg: TrainConfig
+    replay_cfg: ReplayConfig
+    curiosity_cfg: CuriosityConfig
+
+    @property
+    def support(self) -> jax.Array:
+        return make_support(self.net_cfg.v_min, self.net_cfg.v_max, self.net_cfg.atoms)
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
+def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
+    net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
+                   head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
+    t = cfg.train
+    optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                            optax.adam(t.learning_rate, eps=t.adam_eps))
+    return Learner(net, optimizer, cfg.network, t, cfg.replay, cfg.curiosity)
+
+
+def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
+    k_net, k_rnd = jax.random.split(key)
+    params = learner.network.init(k_net, jnp.zeros((1, obs_dim), jnp.float32))
+    rnd = None
+    if learner.curiosity_cfg.coef > 0:
+        rnd = curiosity.init(k_rnd, obs_dim, learner.curiosity_cfg)
+    # a distinct copy: the target must not alias the online buffers (donation would see one twice)
+    return AgentState(params=params, target_params=jax.tree.map(jnp.copy, params),
+                      opt_state=learner.optimizer.init(params), rnd=rnd,
+                      step=jnp.zeros((), jnp.int32))
+
+
+def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
+                    discount) -> jax.Array:
+    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s')."""
+    apply = learner.network.apply
+    online_s = apply(params, obs)
+    online_next = apply(params, next_obs)
+    target_next = apply(target_params, next_obs)
+    return c51_double_q_loss(online_s, online_next, target_next, action, returns, discount,
+                             learner.support)
+
+
+def _update_target(learner: Learner, params, target_params, step):
+    t = learner.train_cfg
+    if t.target_update == "polyak":
+        return optax.incremental_update(params, target_params, t.polyak_tau)
+    copy = (step % t.target_period) == 0
+    return jax.tree.map(lambda p, q: jnp.where(copy, p, q), params, target_params)
+
+
+def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
+                 key: jax.Array, beta: jax.Array) -> tuple[AgentState, replay.ReplayState, dict]:
+    """One update from a prioritized batch; returns new agent, buffer with new priorities, metrics."""
+    items, indices, weights = replay.sample(buffer, key, learner.train_cfg.batch_size, beta)
+    obs, next_obs = decode(items)
+
+    def loss_fn(params):
+        losses = per_sample_loss(learner, params, agent.target_params, obs, next_obs,
+                                 items["action"], items["reward"], items["discount"])
+        return jnp.mean(weights * losses), losses
+
+    (loss, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params)
+    updates, opt_state = learner.optimizer.update(grads, agent.opt_state, agent.params)
+    params = optax.apply_updates(agent.params, updates)
+    step = agent.step + 1
+    target_params = _update_target(learner, params, agent.target_params, step)
+    buffer = replay.update_priorities(buffer, indices, jax.lax.stop_gradient(losses),
+                                      learner.replay_cfg.alpha, learner.replay_cfg.priority_eps)
+    rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
+    if agent.rnd is not None:
+        rnd, rnd_loss = curiosity.update(agent.rnd, next_obs)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "rnd_loss": rnd_loss}
+    agent = AgentState(params=params, target_params=target_params, opt_state=opt_state, rnd=rnd,
+                       step=step)
+    return agent, buffer, metrics
+
+
+def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
+                key: jax.Array, beta: jax.Array, num_steps: int):
+    """K learner steps under ``lax.scan``; metrics are averaged over the K steps."""
+
+    def body(carry, k):
+        agent, buffer = carry
+        agent, buffer, m = learner_step(learner, decode, agent, buffer, k, beta)
+        return (agent, buffer), m
+
+    (agent, buffer), ms = jax.lax.scan(body, (agent, buffer), jax.random.split(key, num_steps))
+    return agent, buffer, jax.tree.map(jnp.mean, ms)
+
+
+def epsilon_at(train_cfg: TrainConfig, epoch: int) -> float:
+    """Linear decay from epsilon_start to epsilon_end over epsilon_decay_epochs (epoch 0-based).
+
+    Host-side: the value enters the jitted phases as an argument, so one compiled program serves
+    every epoch and every run length.
+    """
+    frac = min(max(epoch / train_cfg.epsilon_decay_epochs, 0.0), 1.0)
+    return train_cfg.epsilon_start + frac * (train_cfg.epsilon_end - train_cfg.epsilon_start)
+
+
+def beta_at(replay_cfg: ReplayConfig, train_cfg: TrainConfig, epoch: int) -> float:
+    """Importance-sampling exponent annealed linearly from beta_start to beta_end over the run."""
+    frac = min(max(epoch / max(train_cfg.epochs - 1, 1), 0.0), 1.0)
+    return replay_cfg.beta_start + frac * (replay_cfg.beta_end - replay_cfg.beta_start)
+
+
+def epsilon_greedy(key: jax.Array, logits: tuple, support: jax.Array, epsilon) -> jax.Array:
+    """Per-branch epsilon-greedy actions [N, B] from Q logits (a tuple of [N, n_d, K]).
+
+    Each branch of each episode explores independently with probability epsilon.
+    """
+    from foxhunt_jax.agent.network import greedy_actions
+
+    greedy = greedy_actions(logits, support)
+    n = greedy.shape[0]
+    keys = jax.random.split(key, 2 * len(logits))
+    cols = []
+    for d, lg in enumerate(logits):
+        rand = jax.random.randint(keys[2 * d], (n,), 0, lg.shape[-2], jnp.int32)
+        explore = jax.random.uniform(keys[2 * d + 1], (n,)) < epsilon
+        cols.append(jnp.where(explore, rand, greedy[:, d]))
+    out = jnp.stack(cols, axis=-1)
+    chex.assert_shape(out, (n, len(logits)))
+    return out

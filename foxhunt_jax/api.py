@@ -1,0 +1,184 @@
+"""Library entry points: :func:`train` and :func:`evaluate` (the CLI is a thin layer over them).
+
+    from foxhunt_jax import load_config, train, evaluate
+    result = train(load_config("smoke"), out_dir="runs/smoke")
+    report = evaluate("runs/smoke", split="test")
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
+from foxhunt_jax.errors import ConfigError, NonFiniteError
+from foxhunt_jax.training import checkpoint, report
+from foxhunt_jax.training.rundir import RunWriter, read_metrics
+from foxhunt_jax.training.trainer import Trainer, TrainerState, all_finite
+
+
+@dataclass
+class TrainResult:
+    state: TrainerState
+    trainer: Trainer
+    history: list[dict]
+    summary: dict  # final validation/test metrics of agent, buy-and-hold and random
+
+
+def phase_line(rec: dict, epochs: int) -> str:
+    """One epoch in the seed's phase form."""
+    ms = rec["phase_ms"]
+    val, bh = rec["val"], rec["val_buy_and_hold"]
+    head = " | ".join(f"{k.capitalize()} {ms[k]:8.1f}" for k in
+                      ("init", "compile", "experience", "training", "validation", "total"))
+    return (f"epoch {rec['epoch']:>3}/{epochs} | {head} ms | loss {rec['loss']:.4f} | "
+            f"eps {rec['epsilon']:.2f} | val sharpe {val['sharpe']:+.2f} (B&H {bh['sharpe']:+.2f}) "
+            f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
+
+
+def _check_finite(state: TrainerState, rec: dict) -> None:
+    epoch = rec["epoch"]
+    if not np.isfinite(rec["loss"]):
+        raise NonFiniteError(f"epoch {epoch}: training loss is {rec['loss']}; stopped, last good "
+                             "checkpoint kept")
+    checkpoint.assert_finite(state.agent.params, "params", epoch)
+    checkpoint.assert_finite(state.agent.opt_state, "optimizer state", epoch)
+
+
+def _metadata(cfg: Config, epoch: int) -> dict:
+    return {"epoch": epoch, "config": to_dict(cfg)}
+
+
+def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = False,
+          progress: bool | None = None, log: Callable[[str], None] | None = None,
+          final_report: bool = True) -> TrainResult:
+    """Trains for ``cfg.train.epochs`` epochs; with ``out_dir`` writes the run directory.
+
+    ``resume`` continues from the latest checkpoint in ``out_dir`` (the config must be the one
+    the run was started with, apart from ``train.epochs``). Raises NonFiniteError when the loss
+    or parameters become NaN/Inf; the last good checkpoint stays as it was.
+    """
+    log = log or (lambda s: print(s, flush=True))
+    out = Path(out_dir) if out_dir is not None else None
+    if resume:
+        if out is None or checkpoint.latest_step(out / "checkpoints") is None:
+            raise ConfigError(f"--resume: no checkpoint found in {out}/checkpoints")
+        saved = from_dict(read_yaml(out / "config.yaml"))
+        if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
+            raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
+                              "(only train.epochs may change)")
+    trainer = Trainer.build(cfg)
+    state = trainer.init_state()
+    writer = RunWriter(out, process_index=jax.process_index()) if out is not None else None
+    if resume:
+        step = checkpoint.latest_step(out / "checkpoints")
+        state, _ = checkpoint.restore(out / "checkpoints", step, state)
+        writer.truncate_after(int(state.epoch))
+        log(f"resumed from epoch {int(state.epoch)}")
+    elif writer is not None:
+        writer.write_config(dump_yaml(cfg))
+    history = read_metrics(out) if (resume and out is not None) else []
+
+    epochs = cfg.train.epochs
+    bar = _progress(progress, epochs, int(state.epoch))
+    try:
+        while int(state.epoch) < epochs:
+            state, rec = trainer.run_epoch(state)
+            _check_finite(state, rec)
+            history.append(rec)
+            if writer is not None:
+                writer.log(rec)
+            if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:
+                (bar.console.print if bar else log)(phase_line(rec, epochs))
+            if out is not None and (rec["epoch"] % cfg.train.checkpoint_every == 0
+                                    or rec["epoch"] == epochs):
+                # every process calls save: orbax synchronizes them and process 0 writes
+                checkpoint.save(out / "checkpoints", rec["epoch"], state,
+                                _metadata(cfg, rec["epoch"]))
+            if bar:
+                bar.advance(bar.task_ids[0])
+    finally:
+        if bar:
+            bar.stop()
+    summary = {}
+    if final_report:
+        summary = _final_report(trainer, state, history, out, log)
+    if writer is not None:
+        writer.close()
+    return TrainResult(state=state, trainer=trainer, history=history, summary=summary)
+
+
+def _progress(enabled: bool | None, total: int, done: int):
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    bar = Progress("[bold]training", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    bar.add_task("epochs", total=total, completed=done)
+    bar.start()
+    return bar
+
+
+def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], out: Path | None,
+                  log) -> dict:
+    summary: dict[str, Any] = {"epochs": int(state.epoch),
+                               "bars_per_year": trainer.market.bars_per_year}
+    curves = {}
+    for split in ("validation", "test"):
+        res = trainer.evaluate_split(state.agent, split)
+        summary[split] = {name: r["metrics"] for name, r in res.items()}
+        curves[split] = {name: r["curve"] for name, r in res.items()}
+        log(report.metrics_table(summary[split], title=f"{split} split (full walk)"))
+    if out is not None and jax.process_index() == 0:
+        report.write_report(out, summary, curves, history)
+    return summary
+
+
+def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
+    """Rebuilds the trainer of a run directory and restores its latest checkpoint."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise ConfigError(f"{run} is not a run directory (no config.yaml)")
+    cfg = from_dict(read_yaml(run / "config.yaml"))
+    if data:
+        cfg = replace(cfg, data={"source": list(data)})
+    step = checkpoint.latest_step(run / "checkpoints")
+    if step is None:
+        raise ConfigError(f"{run}/checkpoints holds no checkpoint")
+    trainer = Trainer.build(cfg)
+    state, _ = checkpoint.restore(run / "checkpoints", step, trainer.init_state())
+    return trainer, state
+
+
+def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
+             log: Callable[[str], None] | None = None) -> dict:
+    """Greedy full-split evaluation of a trained run against buy-and-hold and random.
+
+    ``data`` evaluates the trained agent on other market data (same features and config).
+    Writes ``report/evaluate_<split>.json`` and returns the metrics by policy.
+    """
+    if split not in ("validation", "test"):
+        raise ConfigError(f"--split must be validation or test, got {split!r}")
+    t0 = time.perf_counter()
+    trainer, state = load_run(run_dir, data)
+    res = trainer.evaluate_split(state.agent, split)
+    metrics = {name: r["metrics"] for name, r in res.items()}
+    (log or print)(report.metrics_table(metrics, title=f"{split} split (full walk)"))
+    path = Path(run_dir) / "report" / f"evaluate_{split}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"split": split, "data": data or list(trainer.cfg.data.source),
+               "seconds": time.perf_counter() - t0, "metrics": metrics}
+    path.write_text(json.dumps(payload, indent=2))
+    return metrics
+
+
+__all__ = ["train", "evaluate", "load_run", "TrainResult", "phase_line", "all_finite"]

@@ -1,0 +1,121 @@
+"""Experience collection: ``lax.scan`` over L timesteps with N episodes batched.
+
+Per timestep (DESIGN 2): Q-forward [N, D] -> per-branch epsilon-greedy actions [N, B] with
+per-step keys -> env step (vmapped) -> curiosity bonus -> auto-reset of finished episodes.
+After the scan, n-step returns are formed over the [L, N] trajectory, each transition's initial
+priority is its C51 loss under the current online and target networks (the learner's own loss
+function, so priorities and training agree), and the L * N transitions go into the replay
+buffer. The whole phase is one jitted call with no host round trip.
+
+The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
+gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
+"reward", "discount"}`` where ``enc`` is the adapter's compact encoding of an observation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from foxhunt_jax.agent import curiosity, replay
+from foxhunt_jax.agent.learner import AgentState, Learner, epsilon_greedy, per_sample_loss
+from foxhunt_jax.agent.loss import n_step_targets
+
+
+@dataclass(frozen=True)
+class EnvAdapter:
+    """Single-episode env functions over explicit params; the collector vmaps them.
+
+    reset(key, params) -> (obs [D], state)
+    step_env(key, state, action [B], params) -> (obs, state, reward, terminated, truncated, info)
+        (no auto-reset; obs/state are those after the step, before any reset)
+    encode(obs [D], state) -> enc (what the replay buffer stores for an observation)
+    decode(enc [M, ...], params) -> obs [M, D]
+    """
+
+    reset: Callable
+    step_env: Callable
+    encode: Callable
+    decode: Callable
+
+    def __hash__(self):
+        return hash((self.reset, self.step_env, self.encode, self.decode))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Rollout:
+    """The carried state of N parallel episodes between collection calls."""
+
+    env_state: Any
+    obs: jax.Array  # [N, D]
+
+
+def start(adapter: EnvAdapter, env_params, key: jax.Array, num_episodes: int) -> Rollout:
+    obs, state = jax.vmap(adapter.reset, in_axes=(0, None))(
+        jax.random.split(key, num_episodes), env_params)
+    return Rollout(env_state=state, obs=obs)
+
+
+def _where(mask, a, b):
+    """Per-episode select between two pytrees with leading axis N."""
+    return jax.tree.map(lambda x, y: jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), a, b)
+
+
+def collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
+            rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
+    """Runs ``num_steps`` steps of every episode; returns (rollout, items [L*N], priorities, stats).
+
+    ``stats`` holds the mean extrinsic and intrinsic reward per step and the number of finished
+    episodes. Window end counts as truncation for the n-step targets (bootstrap from the next
+    observation), which is exact: the episode simply continues in the next call.
+    """
+    net, support = learner.network, learner.support
+    n = rollout.obs.shape[0]
+    step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
+    reset_v = jax.vmap(adapter.reset, in_axes=(0, None))
+    encode_v = jax.vmap(adapter.encode)
+
+    def body(carry: Rollout, k):
+        k_act, k_step, k_reset = jax.random.split(k, 3)
+        logits = net.apply(agent.params, carry.obs)
+        action = epsilon_greedy(k_act, logits, support, epsilon)
+        obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n), carry.env_state,
+                                                     action, env_params)
+        raw = bonus = jnp.zeros_like(reward)
+        if agent.rnd is not None:  # novelty of the next observation, scaled by stats before this call
+            raw = curiosity.prediction_error(agent.rnd, obs2)
+            bonus = curiosity.scale_bonus(agent.rnd, raw)
+        out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
+               "action": action, "reward": reward + bonus, "extrinsic": reward, "bonus": bonus,
+               "terminated": term, "truncated": trunc, "novelty": raw}
+        obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
+        done = term | trunc
+        return Rollout(env_state=_where(done, state_r, state2), obs=jnp.where(done[:, None], obs_r, obs2)), out
+
+    rollout, traj = jax.lax.scan(body, rollout, jax.random.split(key, num_steps))
+    t = learner.train_cfg
+    returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
+                                                 traj["truncated"], t.gamma, t.n_step)
+    # bootstrap observation of transition t: next_obs of step t + k - 1, per episode
+    rows = jnp.arange(num_steps)[:, None] + offsets - 1
+    next_enc = jax.tree.map(lambda x: jnp.take_along_axis(
+        x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0), traj["next_obs"])
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    items = {"obs": jax.tree.map(flat, traj["obs"]), "next_obs": jax.tree.map(flat, next_enc),
+             "action": flat(traj["action"]), "reward": flat(returns), "discount": flat(discounts)}
+    obs = adapter.decode(items["obs"], env_params)
+    next_obs = adapter.decode(items["next_obs"], env_params)
+    priorities = per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
+                                 items["action"], items["reward"], items["discount"])
+    rnd = agent.rnd
+    if rnd is not None:
+        rnd = curiosity.update_stats(rnd, flat(traj["novelty"]))
+    stats = {"reward": jnp.mean(traj["extrinsic"]), "bonus": jnp.mean(traj["bonus"]),
+             "episodes_done": jnp.sum(traj["terminated"] | traj["truncated"]),
+             "terminated": jnp.sum(traj["terminated"])}
+    return rollout, items, priorities, rnd, stats
+

@@ -1,0 +1,143 @@
+"""Greedy validation and full-split evaluation of the trading agent (DESIGN 3.10).
+
+* Per-epoch validation: a fixed set of windows of L bars (starts evenly spaced over the valid
+  starts of the validation split, so every instrument with room for a window gets its share;
+  the same windows every epoch) rolled out greedily in parallel, plus the C51 loss on the
+  transitions of those rollouts.
+* Full evaluation: every instrument walked greedily from the start of a split to its end, in
+  parallel across instruments (shorter instruments are masked once they end).
+
+Both return equity paths; :mod:`foxhunt_jax.training.metrics` turns them into trading metrics.
+Buy-and-hold buys one unit of equity at the first close (paying the proportional cost) and
+marks it at every later close; the random policy draws every branch uniformly with a fixed key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from foxhunt_jax.agent.learner import Learner, per_sample_loss
+from foxhunt_jax.agent.loss import n_step_targets
+from foxhunt_jax.agent.network import greedy_actions
+from foxhunt_jax.env import trading
+
+
+def window_starts(starts: np.ndarray, count: int) -> np.ndarray:
+    """``count`` starts evenly spaced over the sorted valid starts [S] (fewer if S < count)."""
+    starts = np.sort(np.asarray(starts))
+    idx = np.unique(np.linspace(0, len(starts) - 1, num=min(count, len(starts))).round().astype(int))
+    return starts[idx].astype(np.int32)
+
+
+def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: jax.Array,
+                   lengths: jax.Array | None = None):
+    """Rolls out episodes from fixed ``starts`` [W] for ``num_steps`` without auto-reset.
+
+    ``policy(key, obs [W, D]) -> actions [W, B]``. An episode stops after ``lengths[w]`` steps
+    (default ``num_steps``) or when it terminates (ruin); after that it is masked out (equity
+    NaN, reward 0, ``alive`` False). Returns a dict of [L, W] arrays: the compact encodings for
+    the loss, rewards, terminated, truncated, equity, exposure, traded, alive.
+    """
+    obs, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
+    w = starts.shape[0]
+    step_v = jax.vmap(trading.step_env, in_axes=(0, 0, 0, None))
+
+    lengths = jnp.full((w,), num_steps, jnp.int32) if lengths is None else jnp.asarray(lengths)
+    p = trading.PORTFOLIO_DIM
+
+    def body(carry, xs):
+        obs, state, alive = carry
+        k, t = xs
+        alive = alive & (t < lengths)
+        k_pol, k_env = jax.random.split(k)
+        action = policy(k_pol, obs)
+        obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
+                                                        env_params)
+        keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        out = {"bar": state.bar, "portfolio": obs[:, -p:],
+               "next_bar": state2.bar, "next_portfolio": obs2[:, -p:],
+               "action": action, "reward": jnp.where(alive, reward, 0.0),
+               "terminated": term & alive, "truncated": (trunc | (t + 1 >= lengths)) & alive,
+               "equity": jnp.where(alive, info["equity"], jnp.nan),
+               # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
+               "exposure": jnp.where(alive, env_params.exposures[action[:, 0]], 0.0),
+               "traded": info["traded"] & alive, "alive": alive}
+        state2 = jax.tree.map(keep, state2, state)
+        obs2 = keep(obs2, obs)
+        return (obs2, state2, alive & ~term), out
+
+    alive = jnp.ones((w,), bool)
+    xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
+    _, traj = jax.lax.scan(body, (obs, state, alive), xs)
+    return traj
+
+
+def greedy_policy(learner: Learner, params):
+    def policy(key, obs):
+        del key
+        return greedy_actions(learner.network.apply(params, obs), learner.support)
+    return policy
+
+
+def random_policy(branch_sizes):
+    def policy(key, obs):
+        keys = jax.random.split(key, len(branch_sizes))
+        return jnp.stack([jax.random.randint(k, (obs.shape[0],), 0, n, jnp.int32)
+                          for k, n in zip(keys, branch_sizes)], axis=-1)
+    return policy
+
+
+def validation_loss(learner: Learner, params, target_params, env_params, traj) -> jax.Array:
+    """Mean C51 loss over the held-out transitions of a validation rollout."""
+    t = learner.train_cfg
+    returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
+                                                 traj["truncated"] | ~traj["alive"], t.gamma, t.n_step)
+    rows = jnp.arange(traj["reward"].shape[0])[:, None] + offsets - 1
+    take = lambda x: jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
+                         env_params)
+    next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
+                               "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
+    losses = per_sample_loss(learner, params, target_params, obs, next_obs, flat(traj["action"]),
+                             flat(returns), flat(discounts))
+    weight = flat(traj["alive"]).astype(jnp.float32)
+    return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def equity_paths(traj) -> dict:
+    """[W, L+1] equity starting at 1, [W, L] exposure and traded flags, as host NumPy."""
+    eq = np.asarray(traj["equity"], np.float64).T
+    eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
+    return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
+            "traded": np.asarray(traj["traded"]).T}
+
+
+def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                       cost_rate: float) -> dict:
+    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure and trades."""
+    w, m = len(starts), int(np.max(lengths))
+    eq = np.full((w, m + 1), np.nan)
+    expo = np.zeros((w, m))
+    traded = np.zeros((w, m), bool)
+    for i, (s, n) in enumerate(zip(starts, lengths)):
+        px = np.asarray(close[s:s + n + 1], np.float64)
+        units = 1.0 / (px[0] * (1.0 + cost_rate))
+        eq[i, :n + 1] = units * px
+        eq[i, 0] = 1.0
+        expo[i, :n] = 1.0
+        traded[i, 0] = True
+    return {"equity": eq, "exposure": expo, "traded": traded}
+
+
+def evaluation_params(tables, env_cfg, split: str):
+    """Env params for walking each instrument of ``split`` from its first bar to its last."""
+    seg = tables.segments[split]
+    lengths = (seg[:, 1] - seg[:, 0]).astype(np.int32)
+    keep = lengths >= 1
+    long_cfg = dataclasses.replace(env_cfg, episode_length=int(lengths[keep].max()))
+    return trading.make_params(tables, long_cfg, split), seg[keep, 0].astype(np.int32), lengths[keep]

@@ -1,0 +1,11 @@
+"""Test-suite set-up: JAX's persistent compilation cache, so that the CLI subprocesses and the
+in-process runs of one config compile each program once per machine."""
+
+import os
+
+os.environ.setdefault("FOXHUNT_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                        "foxhunt-jax", "xla-tests"))
+
+from foxhunt_jax.jitcache import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()

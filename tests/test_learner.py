@@ -1,0 +1,123 @@
+"""Learner step: the loss falls on a fixed batch; on a small deterministic MDP with known returns
+the expected Q converges to the true values (within 2%); schedules and epsilon-greedy."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax.agent import replay
+from foxhunt_jax.agent.learner import (beta_at, epsilon_at, epsilon_greedy, init_agent,
+                                       make_learner, per_sample_loss, train_steps)
+from foxhunt_jax.agent.network import expected_q
+from foxhunt_jax.config import load_config
+
+GAMMA = 0.9
+N_STATES = 4
+
+
+def chain_mdp():
+    """States 0..3 (one-hot obs of width 5; index 4 is an unused absorbing marker).
+
+    Action 0 (quit) pays 1 + 0.25 * s and terminates. Action 1 (go on) pays 0.5 and moves to
+    s + 1; from the last state it pays 2 and terminates. Returns all 8 transitions and Q*.
+    """
+    obs, nxt, act, rew, disc = [], [], [], [], []
+    eye = np.eye(5, dtype=np.float32)
+    for s in range(N_STATES):
+        obs.append(eye[s]); act.append(0); rew.append(1 + 0.25 * s); disc.append(0.0); nxt.append(eye[4])
+        last = s == N_STATES - 1
+        obs.append(eye[s]); act.append(1); rew.append(2.0 if last else 0.5)
+        disc.append(0.0 if last else GAMMA); nxt.append(eye[4] if last else eye[s + 1])
+    # Q* by backward induction in float64
+    q = np.zeros((N_STATES, 2))
+    for s in reversed(range(N_STATES)):
+        q[s, 0] = 1 + 0.25 * s
+        q[s, 1] = 2.0 if s == N_STATES - 1 else 0.5 + GAMMA * q[s + 1].max()
+    items = {"obs": jnp.asarray(np.stack(obs)), "next_obs": jnp.asarray(np.stack(nxt)),
+             "action": jnp.asarray(np.array(act, np.int32)[:, None]),
+             "reward": jnp.asarray(np.array(rew, np.float32)),
+             "discount": jnp.asarray(np.array(disc, np.float32))}
+    return items, q
+
+
+def _cfg(*extra):
+    return load_config(None, ["network.trunk=[64]", "network.head=32", "network.atoms=21",
+                              "network.v_min=0", "network.v_max=5", "curiosity.coef=0",
+                              "replay.capacity=64", "replay.alpha=0", "train.batch_size=8",
+                              f"train.gamma={GAMMA}", "train.learning_rate=3e-3",
+                              "train.target_update=hard", "train.target_period=50", *extra])
+
+
+def test_expected_q_converges_to_true_values_on_chain_mdp():
+    items, q_true = chain_mdp()
+    cfg = _cfg()
+    learner = make_learner(cfg, (2,))
+    agent = init_agent(jax.random.PRNGKey(1), learner, 5)
+    buf = replay.add(replay.init(jax.tree.map(lambda x: x[0], items), 64), items)
+    decode = lambda it: (it["obs"], it["next_obs"])
+    run = jax.jit(lambda a, b, k: train_steps(learner, decode, a, b, k, jnp.float32(1.0), 1500))
+    agent, buf, m = run(agent, buf, jax.random.PRNGKey(2))
+    agent, buf, m = run(agent, buf, jax.random.PRNGKey(3))
+    logits = learner.network.apply(agent.params, jnp.eye(5, dtype=jnp.float32)[:N_STATES])
+    q = np.asarray(expected_q(logits[0], learner.support), np.float64)
+    chex.assert_shape(q, (N_STATES, 2))
+    rel = np.abs(q - q_true) / np.abs(q_true)
+    assert rel.max() < 0.02, f"expected Q {q} vs true {q_true} (rel err {rel.max():.4f})"
+
+
+def test_loss_falls_on_fixed_batch():
+    cfg = _cfg("train.learning_rate=1e-3")
+    learner = make_learner(cfg, (5, 3, 3))
+    key = jax.random.PRNGKey(0)
+    ks = jax.random.split(key, 6)
+    m, d = 32, 12
+    items = {"obs": jax.random.normal(ks[0], (m, d)), "next_obs": jax.random.normal(ks[1], (m, d)),
+             "action": jnp.stack([jax.random.randint(k, (m,), 0, n) for k, n in
+                                  zip(ks[2:5], (5, 3, 3))], -1).astype(jnp.int32),
+             "reward": jax.random.uniform(ks[5], (m,), minval=-1, maxval=3),
+             "discount": jnp.full((m,), 0.9)}
+    agent = init_agent(jax.random.PRNGKey(4), learner, d)
+    buf = replay.add(replay.init(jax.tree.map(lambda x: x[0], items), m), items)
+    decode = lambda it: (it["obs"], it["next_obs"])
+
+    def full_loss(a):
+        return float(jnp.mean(per_sample_loss(learner, a.params, a.target_params, items["obs"],
+                                              items["next_obs"], items["action"], items["reward"],
+                                              items["discount"])))
+
+    before = full_loss(agent)
+    agent, buf, metrics = jax.jit(lambda a, b: train_steps(learner, decode, a, b,
+                                                            jax.random.PRNGKey(5), 0.4, 200))(agent, buf)
+    after = full_loss(agent)
+    assert np.isfinite(after) and after < 0.7 * before, (before, after)
+    assert int(agent.step) == 200
+    assert set(metrics) >= {"loss", "grad_norm", "rnd_loss"}
+
+
+def test_schedules():
+    cfg = load_config(None, ["train.epochs=11", "train.epsilon_decay_epochs=10",
+                             "train.epsilon_start=1.0", "train.epsilon_end=0.1",
+                             "replay.beta_start=0.4", "replay.beta_end=1.0"])
+    assert float(epsilon_at(cfg.train, 0)) == pytest.approx(1.0)
+    assert float(epsilon_at(cfg.train, 5)) == pytest.approx(0.55)
+    assert float(epsilon_at(cfg.train, 50)) == pytest.approx(0.1)
+    assert float(beta_at(cfg.replay, cfg.train, 0)) == pytest.approx(0.4)
+    assert float(beta_at(cfg.replay, cfg.train, 10)) == pytest.approx(1.0)
+
+
+def test_epsilon_greedy_explores_at_rate():
+    n, sizes = 20000, (5, 3)
+    z = jnp.linspace(-1, 1, 11)
+    # a network output whose greedy action is 2 in branch 0 and 1 in branch 1
+    l0 = jnp.zeros((n, 5, 11)).at[:, 2, -1].set(10.0)
+    l1 = jnp.zeros((n, 3, 11)).at[:, 1, -1].set(10.0)
+    acts = np.asarray(epsilon_greedy(jax.random.PRNGKey(0), (l0, l1), z, 0.3))
+    chex.assert_shape(acts, (n, 2))
+    # P(not greedy) = eps * (n_d - 1) / n_d per branch
+    for d, (g, size) in enumerate(zip((2, 1), sizes)):
+        rate = np.mean(acts[:, d] != g)
+        assert abs(rate - 0.3 * (size - 1) / size) < 0.015
+    greedy = np.asarray(epsilon_greedy(jax.random.PRNGKey(1), (l0, l1), z, 0.0))
+    assert (greedy == np.array([2, 1])).all()

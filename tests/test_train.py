@@ -1,0 +1,150 @@
+"""End-to-end trainer: run directory, resume after SIGKILL, NaN/Inf guard, CLI errors, README."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax import api
+from foxhunt_jax.config import load_config
+from foxhunt_jax.errors import NonFiniteError
+from foxhunt_jax.training import checkpoint, trainer as trainer_mod
+from foxhunt_jax.training.rundir import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ["--config", "smoke", "--no-progress"]
+PHASES = {"init", "compile", "experience", "training", "validation", "total"}
+TRADING = {"total_return", "sharpe", "sortino", "max_drawdown", "turnover", "trades"}
+
+
+def cli(*args, timeout=400, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "foxhunt_jax", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k != "phase_ms"} for r in records]
+
+
+def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_path):
+    out = tmp_path / "run"
+    res = api.train(load_config("smoke"), out, progress=False, log=lambda s: None)
+    assert (out / "config.yaml").exists()
+    recs = read_metrics(out)
+    assert [r["epoch"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert set(r["phase_ms"]) == PHASES
+        assert r["env_steps"] == r["epoch"] * 32 * 20
+        assert TRADING <= set(r["val"]) and TRADING <= set(r["val_buy_and_hold"])
+        assert np.isfinite(r["loss"]) and 0 <= r["epsilon"] <= 1
+    assert recs[0]["phase_ms"]["compile"] > 0 and recs[1]["phase_ms"]["compile"] == 0
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert checkpoint.latest_step(out / "checkpoints") == 3
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    for split in ("validation", "test"):
+        assert {"agent", "buy_and_hold", "random"} <= set(summary[split])
+    for png in ("equity_validation.png", "equity_test.png", "training.png", "phases.png"):
+        assert (out / "report" / png).stat().st_size > 10_000
+    assert res.history == recs
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
+    args = SMOKE + ["--set", "train.epochs=30"]
+    full = cli("train", *args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "foxhunt_jax", "train", *args, "--out", str(killed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 4:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(read_metrics(killed))
+    assert 4 <= done_before < 30
+
+    resumed = cli("train", *args, "--out", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from epoch" in resumed.stdout
+    a, b = read_metrics(tmp_path / "full"), read_metrics(killed)
+    assert [r["epoch"] for r in b] == list(range(1, 31))
+    assert without_timing(a) == without_timing(b)
+
+
+def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, monkeypatch):
+    real = trainer_mod.train_steps
+
+    def poisoned(learner, decode, agent, buffer, key, beta, num_steps):
+        agent, buffer, m = real(learner, decode, agent, buffer, key, beta, num_steps)
+        bad = agent.step > num_steps  # from the second epoch on
+        params = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), agent.params)
+        return agent.replace(params=params), buffer, m
+
+    monkeypatch.setattr(trainer_mod, "train_steps", poisoned)
+    out = tmp_path / "poisoned"
+    with pytest.raises(NonFiniteError, match=r"^epoch 2: .*(NaN|nan)"):
+        api.train(load_config("smoke"), out, progress=False, log=lambda s: None)
+    assert checkpoint.latest_step(out / "checkpoints") == 1
+    tr = trainer_mod.Trainer.build(load_config("smoke"))
+    state, meta = checkpoint.restore(out / "checkpoints", 1, tr.init_state())
+    assert meta["epoch"] == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.agent.params))
+    assert [r["epoch"] for r in read_metrics(out)] == [1]
+
+
+def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
+    r = cli("train", *SMOKE, "--set", "train.learning_rate=1e30", "--out", str(tmp_path / "d"))
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"error: epoch \d+: ", lines[0]), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--set", "train.bogus=1"], "unknown config key 'train.bogus'"),
+    (["train", "--set", "train.epochs=0"], "train.epochs"),
+    (["train", "--set", "network.dtype=float16"], "network.dtype"),
+    (["train", "--config", "no_such_config.yaml"], "no_such_config.yaml"),
+    (["train", "--data", "/no/such/file.csv"], "/no/such/file.csv"),
+    (["evaluate", "--run", "/no/such/run"], "/no/such/run"),
+])
+def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, needle):
+    r = cli(*args, "--out", str(tmp_path / "x")) if args[0] == "train" else cli(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_evaluate_command_writes_report(tmp_path):
+    out = tmp_path / "run"
+    api.train(load_config("smoke"), out, progress=False, log=lambda s: None, final_report=False)
+    r = cli("evaluate", "--run", str(out), "--split", "validation")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "buy_and_hold" in r.stdout
+    payload = json.loads((out / "report" / "evaluate_validation.json").read_text())
+    assert {"agent", "buy_and_hold", "random"} <= set(payload["metrics"])
+
+
+def test_readme_library_example_runs(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## As a library\s+```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    assert (tmp_path / "runs" / "library-example" / "report" / "summary.json").exists()
