@@ -106,7 +106,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     """Loads and validates the sources; prints one row per instrument."""
     from foxhunt_jax.config import from_dict
     from foxhunt_jax.data.loader import load_market, split_counts
-    from foxhunt_jax.data.market import median_bar_seconds
+    from foxhunt_jax.data.market import WARMUP_BARS, median_bar_seconds
 
     cfg = from_dict({"data": {"source": list(args.paths), "sort": bool(args.sort),
                               "splits": list(_parse_splits(args.splits))}}).data
@@ -127,7 +127,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     title = f"market data: {', '.join(cfg.source)}"
     footer = (f"{len(market.instruments)} instruments, {total} bars, bar frequency "
               f"{human_duration(market.bar_seconds)}, {market.bars_per_year:.1f} bars per year, "
-              f"splits {','.join(f'{f:g}' for f in cfg.splits)}")
+              f"splits {','.join(f'{f:g}' for f in cfg.splits)} of the bars after each "
+              f"instrument's first {WARMUP_BARS} (feature warm-up)")
     _render_table(headers, rows, title, footer)
     return 0
 

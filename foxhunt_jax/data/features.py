@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from foxhunt_jax.errors import ConfigError, DataError
-from foxhunt_jax.data.market import Instrument, MarketData
+from foxhunt_jax.data.market import WARMUP_BARS, Instrument, MarketData, split_sizes
 
-WARMUP = 64  # bars dropped per instrument: the longest window (61 closes) plus margin
+WARMUP = WARMUP_BARS  # bars dropped per instrument: the longest window (61 closes) plus margin
 SPLITS = ("train", "validation", "test")
 SIGMA_WINDOW = 20
 SIGMA_FLOOR = 1e-4
@@ -211,9 +211,8 @@ def _check_args(splits, episode_length) -> None:
 
 def split_bounds(rows: int, splits) -> list[tuple[int, int]]:
     """Local [first, last] (inclusive) rows of train/validation/test for ``rows`` rows by time."""
-    b1 = int(round(rows * splits[0]))
-    b2 = int(round(rows * (splits[0] + splits[1])))
-    b2 = max(b1, min(b2, rows))
+    train, val, _ = split_sizes(rows, splits)
+    b1, b2 = train, train + val
     return [(0, b1 - 1), (b1, b2 - 1), (b2, rows - 1)]
 
 

@@ -38,13 +38,14 @@ import pandas as pd
 from foxhunt_jax.config import SyntheticConfig
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.data.market import (
+    WARMUP_BARS,
     Instrument,
     MarketData,
     median_bar_seconds,
     observed_bars_per_year,
+    split_sizes,
 )
 
-WARMUP_BARS = 64  # bars the longest feature window needs before its first value
 EPISODE_BARS = 2  # the shortest episode: one step reads bars s and s+1
 DEFAULT_SPLITS = (0.70, 0.15, 0.15)
 REL_TOL = 1e-9  # rounding tolerated when High/Low must enclose Open/Close
@@ -83,26 +84,20 @@ _NS_MIN, _NS_MAX = np.datetime64("1677-09-22", "s"), np.datetime64("2262-04-11",
 
 
 def split_counts(n: int, splits: Sequence[float] = DEFAULT_SPLITS) -> tuple[int, int, int]:
-    """Bars of each split of an instrument with ``n`` bars, split by time.
-
-    ``train = floor(n * f0)``, ``validation = floor(n * f1)``, ``test = n - train - validation``
-    (a 1e-9 slack keeps ``3270 * 0.7`` from rounding down to 2288).
-    """
-    train = int(math.floor(n * splits[0] + 1e-9))
-    val = int(math.floor(n * splits[1] + 1e-9))
-    return train, val, n - train - val
+    """Usable bars of each split of an instrument with ``n`` bars: the first ``WARMUP_BARS``
+    feed the features' history, the rest are split by time exactly as training splits them
+    (:func:`foxhunt_jax.data.market.split_sizes`)."""
+    return split_sizes(max(n - WARMUP_BARS, 0), splits)
 
 
-def min_bars_needed(warmup: int = WARMUP_BARS, episode_bars: int = EPISODE_BARS,
+def min_bars_needed(episode_bars: int = EPISODE_BARS,
                     splits: Sequence[float] = DEFAULT_SPLITS) -> int:
-    """Fewest bars an instrument needs: the warm-up inside the train split, then one episode
-    of ``episode_bars`` bars in each of train, validation and test."""
-    n = warmup + 3 * episode_bars
-    while True:
-        train, val, test = split_counts(n, splits)
-        if train >= warmup + episode_bars and val >= episode_bars and test >= episode_bars:
-            return n
+    """Fewest bars an instrument needs: the feature warm-up, then one episode of
+    ``episode_bars`` bars in each of train, validation and test."""
+    n = WARMUP_BARS + 3 * episode_bars
+    while min(split_counts(n, splits)) < episode_bars:
         n += 1
+    return n
 
 
 MIN_BARS = min_bars_needed()  # 95 with the defaults

@@ -7,6 +7,20 @@ from dataclasses import dataclass
 import numpy as np
 
 
+WARMUP_BARS = 64  # bars of each instrument spent on feature history (the longest window + margin)
+
+
+def split_sizes(rows: int, splits) -> tuple[int, int, int]:
+    """Rows of train / validation / test when ``rows`` usable rows are split by time.
+
+    ``train = round(rows * f0)``, ``validation`` ends at ``round(rows * (f0 + f1))``, test takes
+    the rest. The one definition of the split, used by features and by ``data check``.
+    """
+    b1 = int(round(rows * splits[0]))
+    b2 = max(b1, min(int(round(rows * (splits[0] + splits[1]))), rows))
+    return b1, b2 - b1, rows - b2
+
+
 @dataclass(frozen=True)
 class Instrument:
     """One instrument's bars, sorted by time, OHLC already adjusted by Adj Close / Close.
