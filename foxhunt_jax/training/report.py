@@ -42,6 +42,7 @@ POLICY_STYLE = {
     "agent": dict(color="tab:blue", lw=1.8, ls="-", label="agent"),
     "buy_and_hold": dict(color="tab:orange", lw=1.4, ls="--", label="buy & hold"),
     "random": dict(color="tab:gray", lw=1.2, ls=":", label="random policy"),
+    "oracle": dict(color="tab:green", lw=1.4, ls="-.", label="oracle (planted signal)"),
 }
 STEADY_PHASES = ("experience", "training", "validation")
 ONE_OFF_PHASES = ("init", "compile")
