@@ -240,3 +240,21 @@ def test_bad_configuration_raises():
     with pytest.raises(ConfigError, match="dtype"):
         jax.eval_shape(QNetwork(branch_sizes=(3,), dtype="int8").init, jax.random.key(0),
                        jnp.zeros((1, 4)))
+
+
+def test_init_params_matches_flax_structure_and_lecun_normal_scale():
+    from foxhunt_jax.agent.network import init_params
+
+    net = QNetwork(branch_sizes=(5, 3, 3))
+    obs = jnp.zeros((1, 40), jnp.float32)
+    ref = net.init(jax.random.PRNGKey(0), obs)
+    got = init_params(net, jax.random.PRNGKey(1), obs)
+    assert jax.tree.structure(ref) == jax.tree.structure(got)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got)):
+        assert a.shape == b.shape and a.dtype == b.dtype, path
+        b = np.asarray(b, np.float64)
+        if path[-1].key == "bias":
+            assert not b.any()
+        else:  # lecun normal: std 1/sqrt(fan_in), truncated at 2 std before rescaling
+            std = 1.0 / np.sqrt(b.shape[0])
+            assert abs(b.std() / std - 1) < 0.1 and np.abs(b).max() <= 2 * std / 0.8796 + 1e-6

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from foxhunt_jax.agent.network import init_params
 from foxhunt_jax.config import CuriosityConfig
 
 _VAR_EPS = 1e-8  # keeps the normaliser finite when every raw error seen so far is equal
@@ -89,8 +90,8 @@ def init(key: jax.Array, obs_dim: int, cfg: CuriosityConfig) -> RNDState:
     k_target, k_pred = jax.random.split(key)
     net = _network(cfg)
     dummy = jnp.zeros((1, obs_dim), jnp.float32)
-    target = net.init(k_target, dummy)
-    predictor = net.init(k_pred, dummy)
+    target = init_params(net, k_target, dummy)
+    predictor = init_params(net, k_pred, dummy)
     zero = jnp.zeros((), jnp.float32)
     return RNDState(target_params=target, predictor_params=predictor,
                     opt_state=_optimizer(cfg).init(predictor), count=zero, mean=zero, var=zero,

@@ -1,0 +1,389 @@
+"""Fused Q-forward: one Pallas kernel from observations to per-branch greedy actions.
+
+This is an execution backend of :class:`foxhunt_jax.agent.network.QNetwork` (the one definition
+of the network) for collection and inference: the same parameter pytree and the same math,
+
+    obs -> trunk (ReLU) -> value / advantage streams -> dueling in logit space
+        -> softmax over atoms -> expected Q per action -> per-branch argmax,
+
+but in a single Triton-lowered ``pallas_call``. Each program takes a block of ``BM`` rows and
+keeps every activation on chip across the ten GEMMs and the atom softmax; only the observations
+come in from device memory and only the actions (and optionally the expected Q) go out. XLA's
+version writes and re-reads every intermediate activation between its GEMM and fusion kernels.
+
+Triton needs power-of-two tensor sizes, while the network's widths are not (observation 40,
+heads 160, 11 atoms, 5 or 3 actions). So, outside the kernel, :func:`pack_params` zero-pads the
+parameters once per call (XLA hoists it out of a scan): every width is rounded up to a multiple
+of 16 and then split into power-of-two *chunks* (160 = 128 + 32), which the kernel multiplies
+block by block; atoms are padded to ``Kp`` and actions to ``n_pad`` (both powers of two) and
+masked inside the kernel. Zero rows and columns add exact zeros, so padding does not change the
+result beyond float re-association.
+
+Two layouts of the advantage output exist, both tested equal to the Flax forward:
+``"grouped"`` multiplies each branch's hidden state by its whole output matrix at once and
+reshapes ``[BM, n_pad * Kp] -> [BM, n_pad, Kp]``; ``"per_action"`` does one small GEMM per
+action and stays two-dimensional. Which one is faster is measured (``foxhunt-jax bench``).
+
+Precision: ``dtype="bfloat16"`` casts observations and weights to bfloat16 and accumulates in
+float32, as the Flax layers do; ``dtype="float32"`` multiplies in true float32 (Triton's IEEE
+dot, matching the Flax layers' ``Precision.HIGHEST``). Bias adds, dueling, softmax and the
+expected value are float32 in both. On an H200 the bfloat16 kernel beats XLA (2.3x for the
+forward at N = 2^20) and the float32 one loses to it (no tensor cores; BENCHMARKS.md), so the
+config offers ``network.backend=pallas`` with bfloat16 only; the float32 kernel is kept for
+the equality tests and the benchmark.
+
+On a platform other than a CUDA GPU the kernel runs in Pallas' interpret mode (the tests use it
+on the CPU; it is slow and meant for checking, not for training).
+
+Shapes: ``N`` rows, ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``K``
+atoms; padded: ``Dp``, ``Kp``, ``n_pad``; ``BM`` rows per program.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+_ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
+# Widest power-of-two block of one GEMM operand, per dtype: a [BM, 256] x [256, 256] bf16 tile
+# pair takes 192 KB of the 228 KB of shared memory of an H100/H200 multiprocessor at BM = 128;
+# float32 operands are twice as large, so they are cut at 128.
+_MAX_CHUNK = {"bfloat16": 256, "float32": 128}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LAYOUTS = ("grouped", "per_action")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def chunks(width: int, max_chunk: int = 256) -> tuple[int, ...]:
+    """Power-of-two pieces (each >= 16 and <= ``max_chunk``) summing to ``width`` rounded up
+    to 16. ``chunks(160) == (128, 32)``, ``chunks(40) == (32, 16)``, ``chunks(256) == (256,)``,
+    ``chunks(256, 128) == (128, 128)``.
+    """
+    rest = -(-int(width) // _ALIGN) * _ALIGN
+    out = []
+    while rest > 0:
+        piece = min(max_chunk, 1 << (rest.bit_length() - 1))
+        out.append(piece)
+        rest -= piece
+    return tuple(out)
+
+
+def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.cumsum((0,) + tuple(sizes))[:-1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Static layout of one network for the kernel (hashable; decided from shapes only)."""
+
+    obs_dim: int
+    trunk: tuple[int, ...]
+    head: int
+    atoms: int
+    branch_sizes: tuple[int, ...]
+    max_chunk: int = 256
+
+    def chunks(self, width: int) -> tuple[int, ...]:
+        return chunks(width, self.max_chunk)
+
+    @property
+    def atoms_pad(self) -> int:
+        return max(_ALIGN, _next_pow2(self.atoms))
+
+    def actions_pad(self, d: int) -> int:
+        return _next_pow2(self.branch_sizes[d])
+
+    @property
+    def q_offsets(self) -> tuple[int, ...]:
+        return _offsets([self.actions_pad(d) for d in range(len(self.branch_sizes))])
+
+    @property
+    def q_width(self) -> int:
+        return sum(self.actions_pad(d) for d in range(len(self.branch_sizes)))
+
+    def padded(self, width: int) -> int:
+        return sum(chunks(width))
+
+
+def make_plan(network, obs_dim: int) -> Plan:
+    """The :class:`Plan` of a ``QNetwork`` (its static fields) for observations of ``obs_dim``."""
+    return Plan(obs_dim=int(obs_dim), trunk=tuple(int(w) for w in network.trunk),
+                head=int(network.head), atoms=int(network.atoms),
+                branch_sizes=tuple(int(n) for n in network.branch_sizes),
+                max_chunk=_MAX_CHUNK[network.dtype])
+
+
+def _pad2(x: jax.Array, rows: int, cols: int) -> jax.Array:
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+
+def pack_params(params: Any, plan: Plan, dtype: str) -> dict:
+    """Flax ``QNetwork`` params -> zero-padded kernel operands (weights in the GEMM dtype).
+
+    Returns a dict of arrays: ``trunk_i_w [in_p, out_p]`` and ``trunk_i_b [out_p]`` f32;
+    ``value_hidden_w/b``, ``value_out_w [head_p, Kp]``, ``value_out_b [Kp]``;
+    ``adv{d}_hidden_w/b``, ``adv{d}_out_w [head_p, n_pad * Kp]`` (column ``a * Kp + k`` holds
+    atom k of action a), ``adv{d}_out_b``. Bias and padding entries are exactly zero.
+    """
+    p = params["params"] if "params" in params else params
+    cd = _DTYPES[dtype]
+    out = {}
+
+    def dense(name, in_w, out_w):
+        w = jnp.asarray(p[name]["kernel"], jnp.float32)
+        b = jnp.asarray(p[name]["bias"], jnp.float32)
+        out[name + "_w"] = _pad2(w, in_w, out_w).astype(cd)
+        out[name + "_b"] = jnp.pad(b, (0, out_w - b.shape[0]))
+
+    width = plan.obs_dim
+    for i, w in enumerate(plan.trunk):
+        dense(f"trunk_{i}", plan.padded(width), plan.padded(w))
+        width = w
+    hp, k, kp = plan.padded(plan.trunk[-1]), plan.atoms, plan.atoms_pad
+    head_p = plan.padded(plan.head)
+    dense("value_hidden", hp, head_p)
+    dense("value_out", head_p, kp)
+    for d, n in enumerate(plan.branch_sizes):
+        dense(f"adv{d}_hidden", hp, head_p)
+        npad = plan.actions_pad(d)
+        w = jnp.asarray(p[f"adv{d}_out"]["kernel"], jnp.float32).reshape(plan.head, n, k)
+        b = jnp.asarray(p[f"adv{d}_out"]["bias"], jnp.float32).reshape(n, k)
+        w = jnp.pad(w, ((0, head_p - plan.head), (0, npad - n), (0, kp - k)))
+        out[f"adv{d}_out_w"] = w.reshape(head_p, npad * kp).astype(cd)
+        out[f"adv{d}_out_b"] = jnp.pad(b, ((0, npad - n), (0, kp - k))).reshape(npad * kp)
+    return out
+
+
+def operand_names(plan: Plan) -> tuple[str, ...]:
+    """The order in which :func:`pack_params` operands are passed to the kernel."""
+    names = []
+    for i in range(len(plan.trunk)):
+        names += [f"trunk_{i}_w", f"trunk_{i}_b"]
+    names += ["value_hidden_w", "value_hidden_b", "value_out_w", "value_out_b"]
+    for d in range(len(plan.branch_sizes)):
+        names += [f"adv{d}_hidden_w", f"adv{d}_hidden_b", f"adv{d}_out_w", f"adv{d}_out_b"]
+    return tuple(names)
+
+
+# --- the kernel -----------------------------------------------------------------------------
+
+def _dense(xs, in_sizes, w_ref, b_ref, out_sizes, cd, relu: bool, col0: int = 0):
+    """Block GEMM: input chunks ``xs[i] [BM, in_sizes[i]]`` -> output chunks (float32).
+
+    Reads weight blocks ``w_ref[r:r+c, col0+o:col0+o+s]`` at static offsets, so every loaded
+    tile has power-of-two sides.
+    """
+    precision = jax.lax.Precision.HIGHEST if cd == jnp.float32 else None
+    outs = []
+    for o, s in zip(_offsets(out_sizes), out_sizes):
+        acc = None
+        for r, c, x in zip(_offsets(in_sizes), in_sizes, xs):
+            w = w_ref[pl.ds(r, c), pl.ds(col0 + o, s)]
+            y = jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+            acc = y if acc is None else acc + y
+        acc = acc + b_ref[pl.ds(col0 + o, s)][None, :]
+        outs.append(jnp.maximum(acc, 0.0) if relu else acc)
+    return outs
+
+
+def _softmax_mean(logits, z, axis):
+    """Expected value of the atom distribution: ``sum softmax(logits) * z`` over ``axis``."""
+    m = jnp.max(logits, axis=axis, keepdims=True)
+    e = jnp.exp(logits - m)
+    return jnp.sum(e * z, axis=axis) / jnp.sum(e, axis=axis)
+
+
+def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
+    n_ops = len(operand_names(plan))
+    ops = dict(zip(operand_names(plan), refs[:n_ops]))
+    outs = refs[n_ops:]
+    q_ref = outs[0] if with_q else None
+    act_ref = outs[-1]
+
+    sizes = plan.chunks(plan.obs_dim)
+    xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
+    for i, w in enumerate(plan.trunk):
+        out_sizes = plan.chunks(w)
+        hs = _dense(xs, sizes, ops[f"trunk_{i}_w"], ops[f"trunk_{i}_b"], out_sizes, cd, True)
+        xs, sizes = [h.astype(cd) for h in hs], out_sizes
+    head_sizes = plan.chunks(plan.head)
+    kp, k = plan.atoms_pad, plan.atoms
+
+    def hidden(name):
+        hs = _dense(xs, sizes, ops[name + "_w"], ops[name + "_b"], head_sizes, cd, True)
+        return [h.astype(cd) for h in hs]
+
+    hv = hidden("value_hidden")
+    [v] = _dense(hv, head_sizes, ops["value_out_w"], ops["value_out_b"], (kp,), cd, False)
+    z = z_ref[...]  # [Kp], zero past K
+    atom_ok = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1) < k
+    neg_inf = jnp.float32(-jnp.inf)
+
+    for d, n in enumerate(plan.branch_sizes):
+        npad = plan.actions_pad(d)
+        ha = hidden(f"adv{d}_hidden")
+        w_ref, b_ref = ops[f"adv{d}_out_w"], ops[f"adv{d}_out_b"]
+        if layout == "grouped":
+            [a] = _dense(ha, head_sizes, w_ref, b_ref, (npad * kp,), cd, False)
+            a = a.reshape(a.shape[0], npad, kp)
+            # padded actions are exact zeros, so the sum over all npad rows is the sum over n
+            mean = jnp.sum(a, axis=1) * jnp.float32(1.0 / n)
+            logits = v[:, None, :] + a - mean[:, None, :]
+            logits = jnp.where(atom_ok[:, None, :], logits, neg_inf)
+            q = _softmax_mean(logits, z[None, None, :], axis=2)  # [BM, npad]
+            act_ok = jax.lax.broadcasted_iota(jnp.int32, (1, npad), 1) < n
+            q = jnp.where(act_ok, q, neg_inf)
+            if with_q:
+                q_ref[:, pl.ds(plan.q_offsets[d], npad)] = q
+            act_ref[:, d] = jnp.argmax(q, axis=1).astype(jnp.int32)
+        else:
+            advs = [_dense(ha, head_sizes, w_ref, b_ref, (kp,), cd, False, col0=a * kp)[0]
+                    for a in range(n)]
+            mean = advs[0]
+            for a_t in advs[1:]:
+                mean = mean + a_t
+            mean = mean * jnp.float32(1.0 / n)
+            best_q = best_a = None
+            for a, a_t in enumerate(advs):
+                logits = jnp.where(atom_ok, v + a_t - mean, neg_inf)
+                q = _softmax_mean(logits, z[None, :], axis=1)  # [BM]
+                if with_q:
+                    q_ref[:, plan.q_offsets[d] + a] = q
+                if a == 0:
+                    best_q, best_a = q, jnp.zeros(q.shape, jnp.int32)
+                else:  # strict '>' keeps the first of equal maxima, as jnp.argmax does
+                    better = q > best_q
+                    best_q = jnp.where(better, q, best_q)
+                    best_a = jnp.where(better, jnp.int32(a), best_a)
+            act_ref[:, d] = best_a
+
+
+# --- the public function ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
+    ``min_rows`` at small N), warps per program (at most), software-pipelining stages, layout."""
+
+    block_rows: int = 128
+    num_warps: int = 8
+    num_stages: int = 1
+    layout: str = "grouped"
+    min_rows: int = 16
+
+
+# Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
+# forward at N = 2^20 in 2.2 ms on an H200 where 4 warps took 7.7 ms (BENCHMARKS.md). float32
+# operands are twice the bytes, so half the rows.
+DEFAULT_CONFIGS = {"float32": KernelConfig(block_rows=64, num_warps=8),
+                   "bfloat16": KernelConfig(block_rows=128, num_warps=8)}
+
+
+def default_config(dtype: str) -> KernelConfig:
+    return DEFAULT_CONFIGS[dtype]
+
+
+def _on_cuda() -> bool:
+    return jax.default_backend() in ("gpu", "cuda")
+
+
+def block_rows_for(n: int, cfg: KernelConfig) -> int:
+    """Rows per program: ``cfg.block_rows``, smaller when N is small so that the grid still has
+    about one program per multiprocessor (132 on an H100/H200), never under ``cfg.min_rows``."""
+    want = _next_pow2(max(1, -(-n // 132)))
+    return int(min(cfg.block_rows, max(cfg.min_rows, _ALIGN, want)))
+
+
+def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
+                    with_q: bool = True, config: KernelConfig | None = None,
+                    interpret: bool | None = None):
+    """Greedy actions (and expected Q) of ``network`` at ``obs`` in one fused kernel.
+
+    Args:
+      params: the ``QNetwork`` parameter pytree (``{"params": {...}}`` as ``init`` returns).
+      obs: ``[N, D]`` observations (any float dtype; rows are independent).
+      network: the ``QNetwork`` (its static fields define the layout and the GEMM dtype).
+      support: ``[K]`` float32 atom values.
+      with_q: also return the expected Q values.
+      config: launch shape (default: ``DEFAULT_CONFIGS[network.dtype]``); ``interpret=None``
+        interprets everywhere but on a CUDA GPU.
+    Returns:
+      ``(q, actions)``: ``q`` a tuple over branches of ``[N, n_d]`` float32 expected Q (None
+      when ``with_q`` is False) and ``actions [N, B]`` int32, the per-branch argmax (the first
+      of equal maxima).
+    """
+    if config is None:
+        config = default_config(network.dtype)
+    if config.layout not in LAYOUTS:
+        raise ValueError(f"fused_q_forward: layout must be one of {LAYOUTS}, got {config.layout!r}")
+    n, dim = obs.shape
+    plan = make_plan(network, dim)
+    cd = _DTYPES[network.dtype]
+    bm = block_rows_for(n, config)
+    rows = -(-n // bm) * bm
+    dp = plan.padded(dim)
+    x = _pad2(jnp.asarray(obs, jnp.float32), rows, dp).astype(cd)
+    packed = pack_params(params, plan, network.dtype)
+    operands = [packed[k] for k in operand_names(plan)]
+    z = jnp.pad(jnp.asarray(support, jnp.float32), (0, plan.atoms_pad - plan.atoms))
+    nb = len(plan.branch_sizes)
+
+    full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
+    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0)), full(z)] + [full(a) for a in operands]
+    out_shape = [jax.ShapeDtypeStruct((rows, nb), jnp.int32)]
+    out_specs = [pl.BlockSpec((bm, nb), lambda i: (i, 0))]
+    if with_q:
+        out_shape.insert(0, jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
+        out_specs.insert(0, pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
+
+    if interpret is None:
+        interpret = not _on_cuda()
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        # small blocks have few rows of tensor-core tiles: more warps would only wait
+        warps = min(config.num_warps, max(4, bm // 8))
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
+                                                           num_stages=config.num_stages)
+    kernel = functools.partial(_kernel, plan, cd, config.layout, with_q)
+    with warnings.catch_warnings():
+        # JAX 0.11 marks Pallas' Triton backend deprecated; it is still the GPU path with gathers
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        outs = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(rows // bm,),
+                              in_specs=in_specs, out_specs=tuple(out_specs),
+                              interpret=interpret, name="fused_q_forward",
+                              **kwargs)(x, z, *operands)
+    actions = outs[-1][:n]
+    q = None
+    if with_q:
+        qs = outs[0]
+        q = tuple(qs[:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
+    return q, actions
+
+
+def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
+                  branch_sizes: Sequence[int]) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one row through the ten GEMMs (unpadded widths)."""
+    macs, width = 0, obs_dim
+    for w in trunk:
+        macs += width * w
+        width = w
+    macs += width * head + head * atoms  # value stream
+    for n in branch_sizes:
+        macs += width * head + head * n * atoms
+    return 2 * macs
+
+
+__all__ = ["fused_q_forward", "pack_params", "make_plan", "Plan", "KernelConfig",
+           "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
+           "forward_flops"]

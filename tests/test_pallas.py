@@ -1,0 +1,239 @@
+"""The fused Q-forward kernel (pallas_kernels/q_forward.py) equals the Flax network.
+
+Run in Pallas' interpret mode on the CPU, on fresh random parameters and observations, against
+the Flax forward (same dtype) and an independent float64 NumPy forward pass that rounds to
+bfloat16 where the bf16 network does. The GPU (Triton) build is checked by ``foxhunt-jax bench``.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax.agent.learner import epsilon_greedy
+from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, greedy_actions,
+                                       q_forward, support)
+from foxhunt_jax.config import load_config
+from foxhunt_jax.errors import ConfigError
+from pallas_kernels.q_forward import (KernelConfig, chunks, forward_flops, fused_q_forward,
+                                      make_plan, pack_params)
+
+D = 40
+BRANCHES = (5, 3, 3)
+Z = support(-10.0, 10.0, 11)
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"numpy/jax seed {seed}")  # pytest shows it when the test fails
+    return np.random.default_rng(seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _net(dtype="float32", branches=BRANCHES, trunk=(256, 256), head=160, atoms=11):
+    return QNetwork(branch_sizes=branches, trunk=trunk, head=head, atoms=atoms, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fn(net: QNetwork, dim: int):
+    return jax.jit(lambda k: net.init(k, jnp.zeros((1, dim), jnp.float32)))
+
+
+def _params(rng, net, dim):
+    """Fresh parameters with non-zero biases (Flax initializes biases to zero, which would leave
+    the bias path of the kernel untested)."""
+    params = _init_fn(net, dim)(jax.random.key(int(rng.integers(2**31))))
+    return jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32),
+                        params)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(net: QNetwork, layout: str, z_len: int):
+    z = support(-10.0, 10.0, z_len)
+    cfg = KernelConfig(block_rows=32, num_warps=4, layout=layout)
+    return jax.jit(lambda p, o: fused_q_forward(p, o, net, z, config=cfg, interpret=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _flax(net: QNetwork, z_len: int):
+    z = support(-10.0, 10.0, z_len)
+    return jax.jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+
+
+def _np_forward(params, obs, net: QNetwork, z):
+    """Float64 forward from the layer formulas; bf16 networks round GEMM inputs to bf16."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)["params"]
+    if net.dtype == "bfloat16":
+        rnd = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)
+    else:
+        rnd = lambda x: x
+
+    def dense(name, x):
+        return rnd(x) @ rnd(p[name]["kernel"]) + p[name]["bias"]
+
+    h = np.asarray(obs, np.float64)
+    for i in range(len(net.trunk)):
+        h = np.maximum(dense(f"trunk_{i}", h), 0.0)
+    v = dense("value_out", np.maximum(dense("value_hidden", h), 0.0))
+    qs = []
+    for d, n in enumerate(net.branch_sizes):
+        a = dense(f"adv{d}_out", np.maximum(dense(f"adv{d}_hidden", h), 0.0))
+        a = a.reshape(a.shape[:-1] + (n, net.atoms))
+        logits = v[:, None, :] + a - a.mean(axis=1, keepdims=True)
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        qs.append((e / e.sum(axis=-1, keepdims=True)) @ np.asarray(z, np.float64))
+    return qs
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _check_actions(actions, qs, qs_ref):
+    """Greedy actions equal the reference argmax wherever the reference's top two expected Q
+    are further apart than twice the largest Q error (only then is the argmax determined)."""
+    actions = np.asarray(actions)
+    for d, (q, ref) in enumerate(zip(qs, qs_ref)):
+        ref = np.asarray(ref, np.float64)
+        err = float(np.max(np.abs(np.asarray(q, np.float64) - ref)))
+        top = np.sort(ref, axis=1)
+        gap = top[:, -1] - top[:, -2] if ref.shape[1] > 1 else np.full(ref.shape[0], np.inf)
+        decided = gap > 2 * err + 1e-12
+        np.testing.assert_array_equal(actions[decided, d], np.argmax(ref, axis=1)[decided],
+                                      err_msg=f"branch {d}: greedy actions differ")
+        assert np.mean(decided) > 0.9  # the check is not vacuous
+
+
+def test_chunks_are_powers_of_two_covering_the_width():
+    for width in [1, 11, 16, 40, 160, 255, 256, 257, 600]:
+        cs = chunks(width)
+        assert sum(cs) == -(-width // 16) * 16
+        assert all(c >= 16 and c <= 256 and c & (c - 1) == 0 for c in cs)
+    assert chunks(160) == (128, 32)
+
+
+def test_f32_kernel_equals_flax_and_float64(rng, layout="grouped"):
+    """The default network (the per-action layout is checked on odd widths below)."""
+    net = _net()
+    params = _params(rng, net, D)
+    obs = jnp.asarray(2.0 * rng.standard_normal((77, D)), jnp.float32)  # 77: rows get padded
+    q, a = _kernel(net, layout, 11)(params, obs)
+    q_flax, a_flax = _flax(net, 11)(params, obs)
+    ref = _np_forward(params, obs, net, Z)
+    chex.assert_shape(a, (77, len(BRANCHES)))
+    chex.assert_type(a, jnp.int32)
+    for d, n in enumerate(BRANCHES):
+        chex.assert_shape(q[d], (77, n))
+        chex.assert_type(q[d], jnp.float32)
+        assert _rel(q[d], q_flax[d]) < 1e-5
+        assert _rel(q[d], ref[d]) < 1e-5
+    _check_actions(a, q, ref)
+    _check_actions(a_flax, q_flax, ref)
+
+
+def test_bf16_kernel_equals_flax_bf16(rng):
+    net = _net("bfloat16")
+    params = _params(rng, net, D)
+    obs = jnp.asarray(2.0 * rng.standard_normal((64, D)), jnp.float32)
+    q, a = _kernel(net, "grouped", 11)(params, obs)
+    q_flax, a_flax = _flax(net, 11)(params, obs)
+    ref = _np_forward(params, obs, net, Z)
+    ref_f32 = _np_forward(params, obs, _net(), Z)
+    for d in range(len(BRANCHES)):
+        # The same bf16 GEMM inputs with f32 accumulation: only the summation order differs,
+        # but that can move a hidden activation across a bf16 rounding boundary (one bf16 step
+        # is 2^-8 relative), so the outputs agree to bf16 accuracy, not to f32 rounding.
+        assert _rel(q[d], q_flax[d]) < 5e-3
+        assert _rel(q[d], ref[d]) < 5e-3
+        assert _rel(q[d], ref_f32[d]) < 3e-2  # bf16 against the f32 network
+    _check_actions(a, q, ref)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+def test_odd_widths_and_one_branch(rng, layout):
+    """Widths that are not multiples of 16, 7 atoms, one branch of 6 actions."""
+    net = _net("float32", (6,), (48, 37), 24, 7)
+    dim = 13
+    z = support(-10.0, 10.0, 7)
+    params = _params(rng, net, dim)
+    obs = jnp.asarray(rng.standard_normal((40, dim)), jnp.float32)
+    q, a = _kernel(net, layout, 7)(params, obs)
+    ref = _np_forward(params, obs, net, z)
+    chex.assert_shape((q[0], a), [(40, 6), (40, 1)])
+    assert _rel(q[0], ref[0]) < 1e-5
+    _check_actions(a, q, ref)
+
+
+def test_pack_params_pads_with_exact_zeros(rng):
+    net = _net("float32", (6,), (48, 37), 24, 7)
+    params = _params(rng, net, 13)
+    plan = make_plan(net, 13)
+    packed = pack_params(params, plan, "float32")
+    w = np.asarray(packed["trunk_1_w"])
+    chex.assert_shape(w, (48, 48))  # 48 -> 48, 37 -> 48
+    np.testing.assert_array_equal(w[:, 37:], 0.0)
+    np.testing.assert_array_equal(w[:48, :37], np.asarray(params["params"]["trunk_1"]["kernel"]))
+    out_w = np.asarray(packed["adv0_out_w"]).reshape(32, 8, 16)  # head 24 -> 32, 6 -> 8, 7 -> 16
+    np.testing.assert_array_equal(out_w[24:], 0.0)
+    np.testing.assert_array_equal(out_w[:, 6:], 0.0)
+    np.testing.assert_array_equal(out_w[:, :, 7:], 0.0)
+    np.testing.assert_array_equal(out_w[:24, :6, :7],
+                                  np.asarray(params["params"]["adv0_out"]["kernel"]).reshape(24, 6, 7))
+    assert packed["adv0_out_w"].dtype == jnp.float32
+    assert pack_params(params, plan, "bfloat16")["adv0_out_w"].dtype == jnp.bfloat16
+
+
+def test_q_forward_backends_agree_with_leading_axes(rng):
+    net = _net("float32", (6,), (48, 37), 24, 7)
+    z = support(-10.0, 10.0, 7)
+    params = _params(rng, net, 13)
+    obs = jnp.asarray(rng.standard_normal((2, 9, 13)), jnp.float32)
+    fwd = jax.jit(lambda p, o, b: q_forward(p, o, net, z, b, with_q=True), static_argnums=2)
+    q_x, a_x = fwd(params, obs, "xla")
+    q_p, a_p = fwd(params, obs, "pallas")  # interpret mode off a CUDA GPU
+    chex.assert_shape([a_x, a_p, q_p[0]], [(2, 9, 1), (2, 9, 1), (2, 9, 6)])
+    assert _rel(q_p[0], q_x[0]) < 1e-5
+    np.testing.assert_array_equal(np.asarray(a_p), np.asarray(a_x))
+    assert q_forward(params, obs, net, z, "xla")[0] is None
+    assert BACKENDS == ("xla", "pallas")
+    with pytest.raises(ConfigError, match="network.backend"):
+        q_forward(params, obs, net, z, "cuda")
+
+
+def test_explore_actions_is_epsilon_greedy(rng):
+    """The collector's exploration from greedy actions equals the learner's epsilon_greedy."""
+    n = 512
+    logits = tuple(jnp.asarray(rng.standard_normal((n, k, 11)), jnp.float32) for k in BRANCHES)
+    key = jax.random.key(int(rng.integers(2**31)))
+    for eps in (0.0, 0.3, 1.0):
+        want = epsilon_greedy(key, logits, Z, eps)
+        got = explore_actions(key, greedy_actions(logits, Z), BRANCHES, eps)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    greedy = np.asarray(greedy_actions(logits, Z))
+    rand = np.asarray(explore_actions(key, jnp.asarray(greedy), BRANCHES, 0.5))
+    frac = np.mean(rand != greedy, axis=0)  # P(differ) = eps * (1 - 1/n_d)
+    np.testing.assert_allclose(frac, [0.5 * (1 - 1 / k) for k in BRANCHES], atol=0.08)
+
+
+def test_backend_config_is_validated():
+    cfg = load_config(None, ["network.backend=pallas", "network.dtype=bfloat16"])
+    assert (cfg.network.backend, cfg.network.dtype) == ("pallas", "bfloat16")
+    assert load_config(None).network.backend == "xla"
+    with pytest.raises(ConfigError, match="network.backend"):
+        load_config(None, ["network.backend=triton"])
+    with pytest.raises(ConfigError, match="needs network.dtype=bfloat16"):
+        load_config(None, ["network.backend=pallas"])  # float32: XLA is faster
+
+
+def test_forward_flops_counts_the_ten_gemms():
+    # 40*256 + 256*256 + 256*160 + 160*11 + 3 * 256*160 + 160*(55 + 33 + 33) MACs
+    macs = 40 * 256 + 256 * 256 + 4 * 256 * 160 + 160 * 11 + 160 * 121
+    assert forward_flops(40, (256, 256), 160, 11, BRANCHES) == 2 * macs
