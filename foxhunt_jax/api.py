@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from foxhunt_jax import parallel
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
 from foxhunt_jax.errors import ConfigError, NonFiniteError
 from foxhunt_jax.training import checkpoint, report
@@ -58,14 +59,23 @@ def _metadata(cfg: Config, epoch: int) -> dict:
 
 def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = False,
           progress: bool | None = None, log: Callable[[str], None] | None = None,
-          final_report: bool = True) -> TrainResult:
+          final_report: bool = True, devices: list | None = None) -> TrainResult:
     """Trains for ``cfg.train.epochs`` epochs; with ``out_dir`` writes the run directory.
 
     ``resume`` continues from the latest checkpoint in ``out_dir`` (the config must be the one
-    the run was started with, apart from ``train.epochs``). Raises NonFiniteError when the loss
-    or parameters become NaN/Inf; the last good checkpoint stays as it was.
+    the run was started with, apart from ``train.epochs``); the checkpoint may come from another
+    device count. Raises NonFiniteError when the loss or parameters become NaN/Inf; the last good
+    checkpoint stays as it was.
+
+    ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
+    count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
+    every process calls ``train``; process 0 alone writes the run directory's files (all take part
+    in checkpoint saves) and, by default, prints.
     """
-    log = log or (lambda s: print(s, flush=True))
+    lead = jax.process_index() == 0
+    log = log or ((lambda s: print(s, flush=True)) if lead else (lambda s: None))
+    if not lead:
+        progress = False
     out = Path(out_dir) if out_dir is not None else None
     if resume:
         if out is None or checkpoint.latest_step(out / "checkpoints") is None:
@@ -74,7 +84,9 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
         if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
             raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
                               "(only train.epochs may change)")
-    trainer = Trainer.build(cfg)
+    trainer = Trainer.build(cfg, devices=devices)
+    if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
+        log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
     state = trainer.init_state()
     writer = RunWriter(out, process_index=jax.process_index()) if out is not None else None
     if resume:
@@ -133,8 +145,10 @@ def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], ou
     summary: dict[str, Any] = {"epochs": int(state.epoch),
                                "bars_per_year": trainer.market.bars_per_year}
     curves = {}
+    # Every process evaluates a local copy of the (replicated) agent on its own default device.
+    agent = parallel.to_host(state.agent)
     for split in ("validation", "test"):
-        res = trainer.evaluate_split(state.agent, split)
+        res = trainer.evaluate_split(agent, split)
         summary[split] = {name: r["metrics"] for name, r in res.items()}
         curves[split] = {name: r["curve"] for name, r in res.items()}
         log(report.metrics_table(summary[split], title=f"{split} split (full walk)"))
@@ -154,7 +168,8 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
     step = checkpoint.latest_step(run / "checkpoints")
     if step is None:
         raise ConfigError(f"{run}/checkpoints holds no checkpoint")
-    trainer = Trainer.build(cfg)
+    # the devices of this machine that divide train.shards: a run reads back anywhere
+    trainer = Trainer.build(cfg, devices=parallel.fitting_devices(cfg.train.shards))
     state, _ = checkpoint.restore(run / "checkpoints", step, trainer.init_state())
     return trainer, state
 
@@ -170,7 +185,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
         raise ConfigError(f"--split must be validation or test, got {split!r}")
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
-    res = trainer.evaluate_split(state.agent, split)
+    res = trainer.evaluate_split(parallel.to_host(state.agent), split)
     metrics = {name: r["metrics"] for name, r in res.items()}
     (log or print)(report.metrics_table(metrics, title=f"{split} split (full walk)"))
     path = Path(run_dir) / "report" / f"evaluate_{split}.json"

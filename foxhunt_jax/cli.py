@@ -146,10 +146,34 @@ def _args_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", default=None, help="run directory (default: runs/<config>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group(
+        "several processes (hosts)",
+        "every process runs the same command with its own --process-id; defaults come from "
+        "FOXHUNT_COORDINATOR, FOXHUNT_NUM_PROCESSES, FOXHUNT_PROCESS_ID, FOXHUNT_DISTRIBUTED")
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="address of process 0's coordination service")
+    g.add_argument("--num-processes", metavar="K", default=None, help="number of processes")
+    g.add_argument("--process-id", metavar="I", default=None, help="this process, 0..K-1")
+    g.add_argument("--distributed", choices=("auto", "off"), default=None,
+                   help="auto: let jax.distributed.initialize detect the cluster (Slurm, Open "
+                        "MPI, ...) for whatever the flags above leave out")
+
+
+def distributed_from_args(args: argparse.Namespace):
+    """The :class:`foxhunt_jax.parallel.DistributedSpec` of ``train`` flags and environment."""
+    from foxhunt_jax import parallel
+
+    return parallel.distributed_spec(args.coordinator, args.num_processes, args.process_id,
+                                     args.distributed)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    from foxhunt_jax import parallel
+
+    spec = distributed_from_args(args)  # bad flags fail before anything starts
+    parallel.initialize(spec)  # before any JAX computation
 
     from foxhunt_jax import api
     from foxhunt_jax.config import load_config
@@ -164,7 +188,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
     api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
-    print(f"run directory: {out} (report in {out / 'report'})")
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"run directory: {out} (report in {out / 'report'})")
     return 0
 
 
@@ -184,12 +211,27 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_bench(p: argparse.ArgumentParser) -> None:
+    from foxhunt_jax.bench import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from foxhunt_jax.bench import run
+
+    run(args)
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("data", "check"), "validate market data files and summarize them",
             _args_data_check, cmd_data_check),
     Command(("train",), "train the agent and write a run directory", _args_train, cmd_train),
     Command(("evaluate",), "evaluate a trained run on the validation or test split",
             _args_evaluate, cmd_evaluate),
+    Command(("bench",), "time every phase, compile, collection, training and replay on this "
+            "device; print tables and write JSON", _args_bench, cmd_bench),
 )
 
 
@@ -245,4 +287,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
-           "cmd_evaluate", "human_duration"]
+           "cmd_evaluate", "cmd_bench", "human_duration"]

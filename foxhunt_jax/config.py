@@ -65,6 +65,10 @@ class NetworkConfig:
     v_min: float = -10.0
     v_max: float = 10.0
     dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
+    # the collection/inference forward: "xla" (the Flax layers) or "pallas" (one fused kernel,
+    # pallas_kernels/q_forward.py, bfloat16 only: it wins there and loses in float32 on an H200,
+    # BENCHMARKS.md; interpreted, slowly, off CUDA GPUs). Training always uses the Flax layers.
+    backend: str = "xla"
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ class TrainConfig:
     validation_windows: int = 64
     checkpoint_every: int = 1
     log_every: int = 1
+    # S: episodes, replay and batch are split into S shards (foxhunt_jax.parallel), placed on the
+    # devices (a multiple of their count). S, not the device count, defines the results.
+    shards: int = 1
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,10 @@ def validate(cfg: Config) -> Config:
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
     _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
            n.dtype)
+    _check(n.backend in ("xla", "pallas"), "network.backend", "must be xla or pallas", n.backend)
+    _check(n.backend == "xla" or n.dtype == "bfloat16", "network.backend",
+           "pallas needs network.dtype=bfloat16 (its float32 kernel is slower than XLA)",
+           n.backend)
 
     _check(r.capacity >= t.batch_size, "replay.capacity", "must be >= train.batch_size", r.capacity)
     _check(r.alpha >= 0, "replay.alpha", "must be >= 0", r.alpha)
@@ -335,6 +346,10 @@ def validate(cfg: Config) -> Config:
            t.validation_windows)
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
+    _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)
+    for key, value in (("train.num_episodes", t.num_episodes), ("train.batch_size", t.batch_size),
+                       ("replay.capacity", r.capacity)):
+        _check(value % t.shards == 0, key, f"must be a multiple of train.shards ({t.shards})", value)
     return cfg
 
 

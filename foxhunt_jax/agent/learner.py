@@ -28,7 +28,7 @@ from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import c51_double_q_loss
-from foxhunt_jax.agent.network import QNetwork, support as make_support
+from foxhunt_jax.agent.network import QNetwork, init_params, support as make_support
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
@@ -78,7 +78,7 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
     k_net, k_rnd = jax.random.split(key)
-    params = learner.network.init(k_net, jnp.zeros((1, obs_dim), jnp.float32))
+    params = init_params(learner.network, k_net, jnp.zeros((1, obs_dim), jnp.float32))
     rnd = None
     if learner.curiosity_cfg.coef > 0:
         rnd = curiosity.init(k_rnd, obs_dim, learner.curiosity_cfg)
@@ -107,10 +107,13 @@ def _update_target(learner: Learner, params, target_params, step):
     return jax.tree.map(lambda p, q: jnp.where(copy, p, q), params, target_params)
 
 
-def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
-                 key: jax.Array, beta: jax.Array) -> tuple[AgentState, replay.ReplayState, dict]:
-    """One update from a prioritized batch; returns new agent, buffer with new priorities, metrics."""
-    items, indices, weights = replay.sample(buffer, key, learner.train_cfg.batch_size, beta)
+def _update(learner: Learner, decode: Decode, agent: AgentState, items, weights):
+    """The update of one batch ``items [M, ...]`` with importance ``weights [M]``.
+
+    Returns the new agent, the per-sample losses ``[M]`` (the new priorities) and the metrics.
+    The loss is the weighted mean over the whole batch: when the batch is split over devices,
+    XLA all-reduces the devices' partial gradients.
+    """
     obs, next_obs = decode(items)
 
     def loss_fn(params):
@@ -123,20 +126,44 @@ def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: re
     params = optax.apply_updates(agent.params, updates)
     step = agent.step + 1
     target_params = _update_target(learner, params, agent.target_params, step)
-    buffer = replay.update_priorities(buffer, indices, jax.lax.stop_gradient(losses),
-                                      learner.replay_cfg.alpha, learner.replay_cfg.priority_eps)
     rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
     if agent.rnd is not None:
         rnd, rnd_loss = curiosity.update(agent.rnd, next_obs)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "rnd_loss": rnd_loss}
     agent = AgentState(params=params, target_params=target_params, opt_state=opt_state, rnd=rnd,
                        step=step)
+    return agent, jax.lax.stop_gradient(losses), metrics
+
+
+def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
+                 key: jax.Array, beta: jax.Array) -> tuple[AgentState, replay.ReplayState, dict]:
+    """One update from a prioritized batch; returns new agent, buffer with new priorities, metrics.
+
+    A sharded buffer (:func:`replay.init_shards`, priorities ``[S, C/S]``) gives ``M/S`` items
+    per shard (:func:`replay.sample_shards`); the update sees the ``M`` items as one batch.
+    """
+    r, m = learner.replay_cfg, learner.train_cfg.batch_size
+    shards = replay.num_shards(buffer)
+    if shards is None:
+        items, indices, weights = replay.sample(buffer, key, m, beta)
+        agent, losses, metrics = _update(learner, decode, agent, items, weights)
+        buffer = replay.update_priorities(buffer, indices, losses, r.alpha, r.priority_eps)
+        return agent, buffer, metrics
+    items, indices, weights = replay.sample_shards(buffer, key, m, beta)  # [S, M/S, ...]
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    agent, losses, metrics = _update(learner, decode, agent, jax.tree.map(flat, items),
+                                     flat(weights))
+    buffer = replay.update_priorities_shards(buffer, indices, losses.reshape(indices.shape),
+                                             r.alpha, r.priority_eps)
     return agent, buffer, metrics
 
 
 def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
                 key: jax.Array, beta: jax.Array, num_steps: int):
-    """K learner steps under ``lax.scan``; metrics are averaged over the K steps."""
+    """K learner steps under ``lax.scan``; metrics are averaged over the K steps.
+
+    ``buffer`` may be plain or sharded (see :func:`learner_step`).
+    """
 
     def body(carry, k):
         agent, buffer = carry
@@ -168,16 +195,9 @@ def epsilon_greedy(key: jax.Array, logits: tuple, support: jax.Array, epsilon) -
 
     Each branch of each episode explores independently with probability epsilon.
     """
-    from foxhunt_jax.agent.network import greedy_actions
+    from foxhunt_jax.agent.network import explore_actions, greedy_actions
 
     greedy = greedy_actions(logits, support)
-    n = greedy.shape[0]
-    keys = jax.random.split(key, 2 * len(logits))
-    cols = []
-    for d, lg in enumerate(logits):
-        rand = jax.random.randint(keys[2 * d], (n,), 0, lg.shape[-2], jnp.int32)
-        explore = jax.random.uniform(keys[2 * d + 1], (n,)) < epsilon
-        cols.append(jnp.where(explore, rand, greedy[:, d]))
-    out = jnp.stack(cols, axis=-1)
-    chex.assert_shape(out, (n, len(logits)))
+    out = explore_actions(key, greedy, [lg.shape[-2] for lg in logits], epsilon)
+    chex.assert_shape(out, (greedy.shape[0], len(logits)))
     return out

@@ -256,7 +256,12 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int,
       items ``[M, ...]``, indices ``[M] int32``, weights ``[M] float32`` equal to
       ``(size * P(i)) ** -beta / max_batch (size * P(j)) ** -beta``.
     """
-    m = int(batch_size)
+    items, indices, w = _draw(state, key, int(batch_size), beta)
+    return items, indices, w / jnp.max(w)
+
+
+def _draw(state: ReplayState, key: jax.Array, m: int, beta) -> tuple[Any, jax.Array, jax.Array]:
+    """:func:`sample` before the weights are divided by their batch maximum."""
     k_u, k_v = jax.random.split(key)
     blocks, mass = _block_masses(state.priorities)
     cum = jnp.cumsum(mass)
@@ -267,7 +272,7 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int,
     items = jax.tree.map(lambda x: x[indices], state.items)
     prob = state.priorities[indices] / total
     w = jnp.power(state.size.astype(jnp.float32) * prob, -jnp.asarray(beta, jnp.float32))
-    return items, indices, w / jnp.max(w)
+    return items, indices, w
 
 
 def update_priorities(state: ReplayState, indices: jax.Array, priorities: jax.Array, alpha,
@@ -298,6 +303,70 @@ def update_priorities(state: ReplayState, indices: jax.Array, priorities: jax.Ar
     return state.replace(priorities=new, max_priority=jnp.maximum(state.max_priority, top))
 
 
+# --- sharded buffers (foxhunt_jax.parallel): S independent rings behind one leading axis ---------
+#
+# A sharded state has every leaf with a leading shard axis: items [S, C/S, ...], priorities
+# [S, C/S], position/size/max_priority [S]. Shard s is an ordinary buffer; a global batch of M is
+# M/S items drawn from each shard by its own prioritized sampling, with key fold_in(key, s).
+
+def _per_shard(total: int, shards: int, what: str) -> int:
+    if shards < 1 or total % shards:
+        raise ConfigError(f"{what} {total} must be a multiple of train.shards ({shards})")
+    return total // shards
+
+
+def init_shards(example_item: Any, capacity: int, shards: int) -> ReplayState:
+    """``shards`` empty rings of ``capacity / shards`` slots each (leaves ``[S, C/S, ...]``)."""
+    one = init(example_item, _per_shard(int(capacity), int(shards), "replay.capacity"))
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (shards,) + x.shape), one)
+
+
+def num_shards(state: ReplayState) -> int | None:
+    """``S`` of a sharded state, None for a plain one (priorities ``[C]``)."""
+    return state.priorities.shape[0] if state.priorities.ndim == 2 else None
+
+
+def add_shards(state: ReplayState, items: Any, priorities: jax.Array | None = None, alpha=None,
+               eps: float = _DEFAULT_EPS) -> ReplayState:
+    """:func:`add` on every shard: ``items [S, n, ...]`` and ``priorities [S, n]``."""
+    s, cap = state.priorities.shape
+    n = jax.tree.leaves(items)[0].shape[1]
+    if n > cap:
+        raise ConfigError(f"replay.capacity {s * cap} holds {cap} slots per shard, fewer than the "
+                          f"{n} transitions a shard adds at once (one epoch); raise "
+                          "replay.capacity")
+    if priorities is None:
+        return jax.vmap(lambda st, it: add(st, it))(state, items)
+    return jax.vmap(lambda st, it, p: add(st, it, p, alpha, eps))(state, items, priorities)
+
+
+def sample_shards(state: ReplayState, key: jax.Array, batch_size: int,
+                  beta) -> tuple[Any, jax.Array, jax.Array]:
+    """A global batch of ``M = batch_size``: ``M/S`` stratified draws from each shard.
+
+    Shard ``s`` samples like :func:`sample` with key ``fold_in(key, s)``. Its importance weight
+    ``(size_s * P_s(i)) ** -beta`` equals the global one ``(S size_s * P_s(i) / S) ** -beta``
+    (every shard holds the same count and gives ``M/S`` of the batch), and the weights are divided
+    by their maximum over the whole batch.
+
+    Returns items ``[S, M/S, ...]``, indices ``[S, M/S] int32`` (slots of each shard), weights
+    ``[S, M/S] float32``.
+    """
+    from foxhunt_jax.parallel import shard_keys
+
+    s = state.priorities.shape[0]
+    m = _per_shard(int(batch_size), s, "train.batch_size")
+    items, indices, w = jax.vmap(lambda st, k: _draw(st, k, m, beta))(state, shard_keys(key, s))
+    return items, indices, w / jnp.max(w)
+
+
+def update_priorities_shards(state: ReplayState, indices: jax.Array, priorities: jax.Array, alpha,
+                             eps: float = _DEFAULT_EPS) -> ReplayState:
+    """:func:`update_priorities` on every shard: ``indices, priorities [S, m]``."""
+    return jax.vmap(lambda st, i, p: update_priorities(st, i, p, alpha, eps))(
+        state, indices, priorities)
+
+
 # Jitted variants. The state argument is donated so the buffer is updated in place (without it
 # every add would copy all C slots). Donation works on CPU too in jax 0.10; after a call the
 # donated state must not be used again (`state = add_jit(state, ...)`).
@@ -308,4 +377,5 @@ update_priorities_jit = jax.jit(update_priorities, donate_argnums=0)
 __all__ = [
     "ReplayState", "init", "add", "sample", "update_priorities", "locate", "block_size",
     "transform_priorities", "bytes_per_item", "add_jit", "sample_jit", "update_priorities_jit",
+    "init_shards", "num_shards", "add_shards", "sample_shards", "update_priorities_shards",
 ]

@@ -10,6 +10,8 @@ buffer. The whole phase is one jitted call with no host round trip.
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
 gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
 "reward", "discount"}`` where ``enc`` is the adapter's compact encoding of an observation.
+:func:`collect_shards` runs the collector on ``S`` shards of episodes at once
+(:mod:`foxhunt_jax.parallel`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.learner import AgentState, Learner, epsilon_greedy, per_sample_loss
+from foxhunt_jax.agent.learner import AgentState, Learner, per_sample_loss
+from foxhunt_jax.agent.network import explore_actions, q_forward
 from foxhunt_jax.agent.loss import n_step_targets
 
 
@@ -60,6 +63,26 @@ def start(adapter: EnvAdapter, env_params, key: jax.Array, num_episodes: int) ->
     return Rollout(env_state=state, obs=obs)
 
 
+# Initial priorities are computed this many transitions at a time: three network forwards over all
+# L * N transitions at once would hold [L*N, width] activations (26 GB per layer at N = 256k).
+PRIORITY_CHUNK = 1 << 20
+
+
+def chunked(fn: Callable, items: Any, chunk: int) -> jax.Array:
+    """``fn(items [M, ...]) -> [M]`` evaluated ``chunk`` rows at a time (``lax.map``).
+
+    Rows are independent, so the result is ``fn(items)``; ``M <= chunk`` calls ``fn`` once.
+    The last chunk is padded with copies of row 0 and the padding dropped.
+    """
+    m = jax.tree.leaves(items)[0].shape[0]
+    if m <= chunk:
+        return fn(items)
+    k = -(-m // chunk)
+    pad = lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (k * chunk - m,) + x.shape[1:])])
+    blocks = jax.tree.map(lambda x: pad(x).reshape((k, chunk) + x.shape[1:]), items)
+    return jax.lax.map(fn, blocks).reshape(-1)[:m]
+
+
 def _where(mask, a, b):
     """Per-episode select between two pytrees with leading axis N."""
     return jax.tree.map(lambda x, y: jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), a, b)
@@ -67,12 +90,60 @@ def _where(mask, a, b):
 
 def collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
             rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
-    """Runs ``num_steps`` steps of every episode; returns (rollout, items [L*N], priorities, stats).
+    """Runs ``num_steps`` steps of every episode; returns (rollout, items [L*N], priorities, rnd,
+    stats).
 
     ``stats`` holds the mean extrinsic and intrinsic reward per step and the number of finished
     episodes. Window end counts as truncation for the n-step targets (bootstrap from the next
-    observation), which is exact: the episode simply continues in the next call.
+    observation), which is exact: the episode simply continues in the next call. ``rnd`` is the
+    curiosity state with this call's novelty folded into its running statistics.
     """
+    rollout, items, priorities, novelty, stats = _collect(learner, adapter, env_params, agent,
+                                                          rollout, key, epsilon, num_steps)
+    rnd = agent.rnd
+    if rnd is not None:
+        rnd = curiosity.update_stats(rnd, novelty)
+    return rollout, items, priorities, rnd, stats
+
+
+def start_shards(adapter: EnvAdapter, env_params, key: jax.Array, shards: int,
+                 num_episodes: int) -> Rollout:
+    """``shards`` groups of ``num_episodes / shards`` episodes: leaves ``[S, N/S, ...]``.
+
+    Shard ``s`` starts from ``fold_in(key, s)`` (:func:`foxhunt_jax.parallel.shard_keys`).
+    """
+    from foxhunt_jax.parallel import shard_keys
+
+    per = num_episodes // shards
+    return jax.vmap(lambda k: start(adapter, env_params, k, per))(shard_keys(key, shards))
+
+
+def collect_shards(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
+                   rollouts: Rollout, key: jax.Array, epsilon, num_steps: int):
+    """:func:`collect` on every shard of a sharded rollout ``[S, N/S, ...]``.
+
+    Shard ``s`` draws from ``fold_in(key, s)``; all shards act with the same (replicated) agent.
+    Returns (rollouts, items ``[S, L*N/S, ...]``, priorities ``[S, L*N/S]``, rnd, stats): the
+    curiosity statistics take in the novelty of every shard at once, and ``stats`` are those of
+    the whole ``[L, N]`` batch (means over shards of equal size, counts summed).
+    """
+    from foxhunt_jax.parallel import shard_keys
+
+    s = rollouts.obs.shape[0]
+    run = lambda r, k: _collect(learner, adapter, env_params, agent, r, k, epsilon, num_steps)
+    rollouts, items, priorities, novelty, stats = jax.vmap(run)(rollouts, shard_keys(key, s))
+    rnd = agent.rnd
+    if rnd is not None:
+        rnd = curiosity.update_stats(rnd, novelty.reshape(-1))
+    stats = {"reward": jnp.mean(stats["reward"]), "bonus": jnp.mean(stats["bonus"]),
+             "episodes_done": jnp.sum(stats["episodes_done"]),
+             "terminated": jnp.sum(stats["terminated"])}
+    return rollouts, items, priorities, rnd, stats
+
+
+def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
+             rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
+    """:func:`collect` with the raw novelty ``[L*N]`` returned instead of the updated RND state."""
     net, support = learner.network, learner.support
     n = rollout.obs.shape[0]
     step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
@@ -81,8 +152,8 @@ def collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState
 
     def body(carry: Rollout, k):
         k_act, k_step, k_reset = jax.random.split(k, 3)
-        logits = net.apply(agent.params, carry.obs)
-        action = epsilon_greedy(k_act, logits, support, epsilon)
+        _, greedy = q_forward(agent.params, carry.obs, net, support, learner.net_cfg.backend)
+        action = explore_actions(k_act, greedy, net.branch_sizes, epsilon)
         obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n), carry.env_state,
                                                      action, env_params)
         raw = bonus = jnp.zeros_like(reward)
@@ -107,15 +178,16 @@ def collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     items = {"obs": jax.tree.map(flat, traj["obs"]), "next_obs": jax.tree.map(flat, next_enc),
              "action": flat(traj["action"]), "reward": flat(returns), "discount": flat(discounts)}
-    obs = adapter.decode(items["obs"], env_params)
-    next_obs = adapter.decode(items["next_obs"], env_params)
-    priorities = per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
-                                 items["action"], items["reward"], items["discount"])
-    rnd = agent.rnd
-    if rnd is not None:
-        rnd = curiosity.update_stats(rnd, flat(traj["novelty"]))
+
+    def loss_of(it):
+        obs = adapter.decode(it["obs"], env_params)
+        next_obs = adapter.decode(it["next_obs"], env_params)
+        return per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
+                               it["action"], it["reward"], it["discount"])
+
+    priorities = chunked(loss_of, items, PRIORITY_CHUNK)
     stats = {"reward": jnp.mean(traj["extrinsic"]), "bonus": jnp.mean(traj["bonus"]),
              "episodes_done": jnp.sum(traj["terminated"] | traj["truncated"]),
              "terminated": jnp.sum(traj["terminated"])}
-    return rollout, items, priorities, rnd, stats
+    return rollout, items, priorities, flat(traj["novelty"]), stats
 

@@ -4,6 +4,12 @@ Read :meth:`Trainer.run_epoch` top to bottom for the whole algorithm. Phase time
 are measured around each call with ``block_until_ready``; Init (data, tables, device upload,
 state) and Compile (ahead-of-time ``lower().compile()`` of the three phase functions) are
 reported on the first epoch a process runs.
+
+Data parallelism (DESIGN 3.13, :mod:`foxhunt_jax.parallel`): the state holds ``S =
+train.shards`` shards of episodes (rollout ``[S, N/S, ...]``) and of replay (``[S, C/S, ...]``),
+placed on a 1-D device mesh along ``"data"``; the agent is replicated. The phases vmap over the
+shard axis and XLA partitions them over the mesh, so results depend on ``S``, not on the device
+count.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from foxhunt_jax import parallel
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.learner import (AgentState, Learner, beta_at, epsilon_at, init_agent,
                                        make_learner, train_steps)
@@ -26,7 +33,7 @@ from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
 from foxhunt_jax.training import validate
-from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect, start
+from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
 from foxhunt_jax.training.metrics import trading_metrics
 
 _P = trading.PORTFOLIO_DIM
@@ -40,11 +47,15 @@ TRADING_ADAPTER = EnvAdapter(reset=trading.reset, step_env=trading.step_env,
 
 @struct.dataclass
 class TrainerState:
-    """Everything a checkpoint holds besides the config: resuming from it is exact."""
+    """Everything a checkpoint holds besides the config: resuming from it is exact.
+
+    ``buffer`` and ``rollout`` carry the leading shard axis ``S`` (split over devices); the rest
+    is replicated.
+    """
 
     agent: AgentState
-    buffer: replay.ReplayState
-    rollout: Rollout
+    buffer: replay.ReplayState  # sharded: leaves [S, C/S, ...]
+    rollout: Rollout  # sharded: leaves [S, N/S, ...]
     key: jax.Array  # raw uint32 PRNG key data, so checkpoints store plain arrays
     epoch: jax.Array  # epochs completed, int32
 
@@ -57,24 +68,45 @@ def all_finite(tree) -> jax.Array:
 
 # --- the state before epoch 1, and the three phases: pure functions of (env params, state) -------
 
-def initial_state(learner: Learner, cfg: Config, env_params, key: jax.Array) -> TrainerState:
-    k_agent, k_env, k_run = jax.random.split(key, 3)
-    agent = init_agent(k_agent, learner, trading.obs_dim(env_params))
-    rollout = start(TRADING_ADAPTER, env_params, k_env, cfg.train.num_episodes)
+def initial_agent(learner: Learner, env_params, key: jax.Array) -> AgentState:
+    """The agent of :func:`initial_state` (network, target, optimizer, RND) by itself."""
+    return init_agent(jax.random.split(key, 3)[0], learner, trading.obs_dim(env_params))
+
+
+def initial_state(learner: Learner, cfg: Config, env_params, key: jax.Array,
+                  agent: AgentState | None = None) -> TrainerState:
+    """The state before epoch 1; ``agent`` (default: :func:`initial_agent` of ``key``) may be
+    built beforehand."""
+    _, k_env, k_run = jax.random.split(key, 3)
+    if agent is None:
+        agent = initial_agent(learner, env_params, key)
+    rollout = start_shards(TRADING_ADAPTER, env_params, k_env, cfg.train.shards,
+                           cfg.train.num_episodes)
     enc = {"bar": jnp.zeros((), jnp.int32), "portfolio": jnp.zeros((_P,), jnp.float32)}
     example = {"obs": enc, "next_obs": enc,
                "action": jnp.zeros((len(cfg.env.branch_sizes),), jnp.int32),
                "reward": jnp.zeros((), jnp.float32), "discount": jnp.zeros((), jnp.float32)}
-    return TrainerState(agent=agent, buffer=replay.init(example, cfg.replay.capacity),
-                        rollout=rollout, key=k_run, epoch=jnp.zeros((), jnp.int32))
+    buffer = replay.init_shards(example, cfg.replay.capacity, cfg.train.shards)
+    return TrainerState(agent=agent, buffer=buffer, rollout=rollout, key=k_run,
+                        epoch=jnp.zeros((), jnp.int32))
+
+
+def state_shardings(state: TrainerState, mesh) -> TrainerState:
+    """Shardings of a (possibly abstract) state: rollout and replay split along the shard axis,
+    the agent, key and epoch replicated."""
+    rep, shd = parallel.replicated(mesh), parallel.sharded(mesh)
+    return TrainerState(agent=jax.tree.map(lambda _: rep, state.agent),
+                        buffer=jax.tree.map(lambda _: shd, state.buffer),
+                        rollout=jax.tree.map(lambda _: shd, state.rollout), key=rep, epoch=rep)
 
 
 def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, eps):
     key, k = jax.random.split(state.key)
-    rollout, items, priorities, rnd, stats = collect(
+    rollout, items, priorities, rnd, stats = collect_shards(
         learner, TRADING_ADAPTER, env_params, state.agent, state.rollout, k, eps,
         cfg.env.episode_length)
-    buffer = replay.add(state.buffer, items, priorities, cfg.replay.alpha, cfg.replay.priority_eps)
+    buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
+                               cfg.replay.priority_eps)
     agent = state.agent.replace(rnd=rnd)
     return state.replace(agent=agent, buffer=buffer, rollout=rollout, key=key), stats
 
@@ -99,7 +131,11 @@ def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: A
 
 @dataclass
 class Trainer:
-    """Builds data, env params, learner and compiled phase functions for one config."""
+    """Builds data, env params, learner, device mesh and compiled phase functions for one config.
+
+    ``env_params["train"]`` is replicated on ``mesh``, ``env_params["validation"]`` lives on this
+    process's first device of it; the phases take and return states placed by :meth:`shardings`.
+    """
 
     cfg: Config
     market: MarketData
@@ -110,32 +146,57 @@ class Trainer:
     init_ms: float = 0.0
     compile_ms: float = 0.0
     _phases: dict | None = None
+    mesh: Any = None  # jax.sharding.Mesh over the devices that run the phases
+    _val_starts_dev: Any = None  # val_starts on this process's first device of the mesh
 
     @classmethod
-    def build(cls, cfg: Config, market: MarketData | None = None) -> "Trainer":
+    def build(cls, cfg: Config, market: MarketData | None = None,
+              devices: list | None = None) -> "Trainer":
+        """``devices``: the mesh (default: every device of every process); their count must
+        divide ``train.shards``, else ConfigError."""
         t0 = time.perf_counter()
+        mesh = parallel.make_mesh(cfg.train.shards, devices)
         if market is None:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
-        env_params = {s: trading.make_params(tables, cfg.env, s) for s in ("train", "validation")}
+        # Training runs on the whole mesh; validation (small) on this process's first device.
+        params = lambda split: trading.make_params(tables, cfg.env, split)
+        env_params = {"train": parallel.put_replicated(params("train"), mesh),
+                      "validation": jax.device_put(params("validation"),
+                                                   parallel.local_device(mesh))}
         learner = make_learner(cfg, cfg.env.branch_sizes)
         starts = validate.window_starts(tables.starts["validation"], cfg.train.validation_windows)
-        tr = cls(cfg, market, tables, learner, env_params, starts)
+        tr = cls(cfg, market, tables, learner, env_params, starts, mesh=mesh)
         tr.init_ms = (time.perf_counter() - t0) * 1e3
         return tr
+
+    def shardings(self, state: TrainerState) -> TrainerState:
+        """Where each leaf of a state lives on this trainer's mesh (see :func:`state_shardings`)."""
+        return state_shardings(state, self.mesh)
 
     @property
     def obs_dim(self) -> int:
         return trading.obs_dim(self.env_params["train"])
 
     def init_state(self, seed: int | None = None) -> TrainerState:
-        """The state before epoch 1 (one jitted program: network, RND, episodes, empty replay)."""
+        """The state before epoch 1, placed on the mesh (see :func:`state_shardings`).
+
+        Two jitted programs: the agent (network, RND, optimizer; small) on this process's first
+        device, replicated from there; then episodes and empty replay, built in place on the
+        mesh. The agent's program does not depend on the mesh, so it compiles once per machine.
+        """
         t0 = time.perf_counter()
         key = jax.random.PRNGKey(self.cfg.train.seed if seed is None else seed)
-        init = jax.jit(lambda p, k: initial_state(self.learner, self.cfg, p, k))
-        # The phases donate the state; donation needs every leaf in its own buffer, and init code
-        # may legitimately share one array between leaves (zeros, a copied target network).
-        state = jax.block_until_ready(jax.tree.map(jnp.array, init(self.env_params["train"], key)))
+        tr, lr, cfg = self.env_params["train"], self.learner, self.cfg
+        local = parallel.local_device(self.mesh)
+        agent = jax.jit(lambda p, k: initial_agent(lr, p, k))(
+            parallel.local_view(tr, local), jax.device_put(key, local))
+        agent = parallel.put_replicated(agent, self.mesh)
+        build = lambda p, k, a: initial_state(lr, cfg, p, k, a)
+        out = self.shardings(jax.eval_shape(build, tr, key, agent))
+        # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
+        init = jax.jit(build, out_shardings=out)
+        state = jax.block_until_ready(init(tr, parallel.put_replicated(key, self.mesh), agent))
         self.init_ms += (time.perf_counter() - t0) * 1e3
         return state
 
@@ -144,15 +205,22 @@ class Trainer:
         t0 = time.perf_counter()
         lr, cfg = self.learner, self.cfg
         tr, va = self.env_params["train"], self.env_params["validation"]
-        starts = jnp.asarray(self.val_starts)
-        exp = jax.jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1)
-        trn = jax.jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1)
-        scalar = jnp.float32(0)
+        # The state keeps its placement from epoch to epoch (so donation reuses its buffers);
+        # metrics come back replicated, readable on every process. Validation runs on this
+        # process's first device with its copy of the replicated agent (every process computes
+        # the same numbers), so its program is the same for every mesh.
+        sh, rep = self.shardings(state), parallel.replicated(self.mesh)
+        exp = jax.jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1,
+                      in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
+        trn = jax.jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
+                      in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
+        scalar = np.float32(0)
         val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
         self._phases = {
             "experience": exp.lower(tr, state, scalar).compile(),
             "training": trn.lower(tr, state, scalar).compile(),
-            "validation": val.lower(va, starts, state.agent).compile(),
+            "validation": val.lower(va, self._val_starts_device(),
+                                    self._local_agent(state)).compile(),
         }
         self.compile_ms = (time.perf_counter() - t0) * 1e3
 
@@ -168,17 +236,17 @@ class Trainer:
         beta = beta_at(self.cfg.replay, self.cfg.train, done)
 
         t0 = time.perf_counter()
-        state, exp_stats = ph["experience"](tr, state, jnp.float32(eps))
+        state, exp_stats = ph["experience"](tr, state, np.float32(eps))
         jax.block_until_ready(state)
         ms["experience"] = (time.perf_counter() - t0) * 1e3
 
         t0 = time.perf_counter()
-        state, learn = ph["training"](tr, state, jnp.float32(beta))
+        state, learn = ph["training"](tr, state, np.float32(beta))
         jax.block_until_ready(state)
         ms["training"] = (time.perf_counter() - t0) * 1e3
 
         t0 = time.perf_counter()
-        val, val_loss = ph["validation"](va, jnp.asarray(self.val_starts), state.agent)
+        val, val_loss = ph["validation"](va, self._val_starts_device(), self._local_agent(state))
         jax.block_until_ready(val)
         ms["validation"] = (time.perf_counter() - t0) * 1e3
 
@@ -205,6 +273,15 @@ class Trainer:
         }
         return state, record
 
+    def _val_starts_device(self) -> jax.Array:
+        if self._val_starts_dev is None:
+            self._val_starts_dev = jax.device_put(self.val_starts, parallel.local_device(self.mesh))
+        return self._val_starts_dev
+
+    def _local_agent(self, state: TrainerState) -> AgentState:
+        """This process's first device's copy of the replicated agent (no transfer)."""
+        return parallel.local_view(state.agent, parallel.local_device(self.mesh))
+
     # --- metrics helpers ---------------------------------------------------------------------
 
     def _metrics(self, paths: dict) -> dict:
@@ -219,8 +296,10 @@ class Trainer:
     def evaluate_split(self, agent: AgentState, split: str, seed: int = 0) -> dict:
         """Full-split greedy evaluation vs buy-and-hold and random: metrics and mean equity curves.
 
-        Curves are the mean over instruments of each one's equity, step by step from the split's
-        first bar (instruments that ended drop out of the mean).
+        On ``builtin:synthetic`` data an ``oracle`` row (the policy that trades the planted
+        signal, :func:`validate.oracle_policy`) is added. Curves are the mean over instruments
+        of each one's equity, step by step from the split's first bar (instruments that ended
+        drop out of the mean).
         """
         params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env, split)
         steps, lr, sizes = int(lengths.max()), self.learner, self.cfg.env.branch_sizes
@@ -236,11 +315,18 @@ class Trainer:
             return validate.policy_rollout(env_p, starts_d, steps, validate.random_policy(sizes),
                                            key, lengths_d)
 
-        paths = {
-            "agent": validate.equity_paths(run(params, agent.params, jax.random.key(seed))),
-            "buy_and_hold": validate.buy_and_hold_paths(self.tables.close, starts, lengths,
-                                                        self.cfg.env.cost_bps / 1e4),
-            "random": validate.equity_paths(run_random(params, jax.random.key(seed + 1))),
-        }
+        @jax.jit
+        def run_oracle(env_p, last_log_return):
+            oracle = validate.oracle_policy(last_log_return, self.cfg.env)
+            return validate.policy_rollout(env_p, starts_d, steps, oracle, jax.random.key(0),
+                                           lengths_d)
+
+        paths = {"agent": validate.equity_paths(run(params, agent.params, jax.random.key(seed)))}
+        if validate.is_synthetic(self.market):  # the oracle knows the planted signal
+            paths["oracle"] = validate.equity_paths(
+                run_oracle(params, jnp.asarray(self.tables.last_log_return)))
+        paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables.close, starts, lengths,
+                                                            self.cfg.env.cost_bps / 1e4)
+        paths["random"] = validate.equity_paths(run_random(params, jax.random.key(seed + 1)))
         return {name: {"metrics": self._metrics(p), "curve": np.nanmean(p["equity"], axis=0)}
                 for name, p in paths.items()}

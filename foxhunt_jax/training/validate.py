@@ -10,6 +10,12 @@
 Both return equity paths; :mod:`foxhunt_jax.training.metrics` turns them into trading metrics.
 Buy-and-hold buys one unit of equity at the first close (paying the proportional cost) and
 marks it at every later close; the random policy draws every branch uniformly with a fixed key.
+
+A policy here is ``policy(key, obs [W, D], state) -> actions [W, B] int32`` where ``state`` is
+the batched :class:`~foxhunt_jax.env.trading.EnvState` the observation was made from. The
+greedy and random policies ignore ``state``; the oracle of the synthetic market reads
+``state.bar`` to look up the raw last log return (the normalized ``ret_1`` in the observation
+has the train mean subtracted, so its sign is not the sign of the return).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import numpy as np
 
 from foxhunt_jax.agent.learner import Learner, per_sample_loss
 from foxhunt_jax.agent.loss import n_step_targets
-from foxhunt_jax.agent.network import greedy_actions
+from foxhunt_jax.agent.network import q_forward
+from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
 
 
@@ -37,7 +44,8 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
                    lengths: jax.Array | None = None):
     """Rolls out episodes from fixed ``starts`` [W] for ``num_steps`` without auto-reset.
 
-    ``policy(key, obs [W, D]) -> actions [W, B]``. An episode stops after ``lengths[w]`` steps
+    ``policy(key, obs [W, D], state) -> actions [W, B]`` (``state``: the batched EnvState the
+    observation belongs to). An episode stops after ``lengths[w]`` steps
     (default ``num_steps``) or when it terminates (ruin); after that it is masked out (equity
     NaN, reward 0, ``alive`` False). Returns a dict of [L, W] arrays: the compact encodings for
     the loss, rewards, terminated, truncated, equity, exposure, traded, alive.
@@ -54,7 +62,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
         k, t = xs
         alive = alive & (t < lengths)
         k_pol, k_env = jax.random.split(k)
-        action = policy(k_pol, obs)
+        action = policy(k_pol, obs, state)
         obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
                                                         env_params)
         keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
@@ -77,17 +85,51 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
 
 
 def greedy_policy(learner: Learner, params):
-    def policy(key, obs):
-        del key
-        return greedy_actions(learner.network.apply(params, obs), learner.support)
+    """The agent's greedy actions (highest expected Q per branch); ignores key and state."""
+    def policy(key, obs, state):
+        del key, state
+        return q_forward(params, obs, learner.network, learner.support,
+                         learner.net_cfg.backend)[1]
     return policy
 
 
 def random_policy(branch_sizes):
-    def policy(key, obs):
+    """Every branch uniform over its actions; ignores state."""
+    def policy(key, obs, state):
+        del state
         keys = jax.random.split(key, len(branch_sizes))
         return jnp.stack([jax.random.randint(k, (obs.shape[0],), 0, n, jnp.int32)
                           for k, n in zip(keys, branch_sizes)], axis=-1)
+    return policy
+
+
+def oracle_policy(last_log_return, env_cfg):
+    """The policy that exploits the planted AR(1) signal of ``builtin:synthetic``.
+
+    Goes long (the largest exposure, +1 by default) after an up bar and short (the smallest,
+    -1) after a down bar, i.e. :func:`foxhunt_jax.data.synthetic.oracle_exposure` of the last
+    return; flat (the exposure nearest 0) after an unchanged close. Barrier branches take their
+    widest multiple so the barriers interfere as little as the env allows.
+
+    Args:
+      last_log_return: [T] raw one-bar log returns of the whole table
+        (``MarketTables.last_log_return``), indexed by ``state.bar``; pass it as an argument of
+        the jitted function that builds the policy so it is not baked in as a constant.
+      env_cfg: the ``EnvConfig`` whose action values the indices refer to.
+    Returns:
+      ``policy(key, obs [W, D], state) -> actions [W, B] int32``.
+    """
+    x = np.asarray(env_cfg.exposures, np.float64)
+    long_i, short_i, flat_i = (int(np.argmax(x)), int(np.argmin(x)), int(np.argmin(np.abs(x))))
+    barrier_cols = [int(np.argmax(v)) for v in (env_cfg.take_profit, env_cfg.stop_loss) if v]
+    lr = jnp.asarray(last_log_return, jnp.float32)  # host or device array, or a tracer
+
+    def policy(key, obs, state):
+        del key, obs
+        side = oracle_exposure(lr[state.bar])  # [W] in {-1, 0, +1}
+        idx = jnp.where(side > 0, long_i, jnp.where(side < 0, short_i, flat_i)).astype(jnp.int32)
+        cols = [idx] + [jnp.full_like(idx, c) for c in barrier_cols]
+        return jnp.stack(cols, axis=-1)
     return policy
 
 
@@ -132,6 +174,13 @@ def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarra
         expo[i, :n] = 1.0
         traded[i, 0] = True
     return {"equity": eq, "exposure": expo, "traded": traded}
+
+
+def is_synthetic(market) -> bool:
+    """True when every instrument of ``market`` comes from ``builtin:synthetic`` (so the oracle
+    knows the signal of all of them)."""
+    return bool(market.instruments) and all(ins.source == SYNTHETIC_SOURCE
+                                            for ins in market.instruments)
 
 
 def evaluation_params(tables, env_cfg, split: str):
