@@ -1,0 +1,1073 @@
+"""``foxhunt-jax bench``: speed of every phase on whatever device JAX runs on, in one run.
+
+Sections (``--sections``, all by default, run in this order), over the backends (``xla``,
+``pallas``) and precisions (``float32``, ``bfloat16``) side by side (``--variants``):
+
+- ``seed``: the seed workload (``--config``, default ``configs/seed.yaml``) through the public
+  :class:`~foxhunt_jax.training.trainer.Trainer` API: per-phase times of ``--epochs`` epochs
+  after ``--warmup`` (median, quartiles, min, max). It runs first, so its compile is the cold
+  one (an empty persistent compilation cache, which it fills).
+- ``compile``: the whole epoch compiled again in a fresh process from that cache.
+- ``device``: the ceilings measured here: GEMM rate (bf16, f32 with ``Precision.HIGHEST``, and
+  default f32), device-to-device copy bandwidth, and the cost of one ``lax.scan`` iteration
+  (plain, and with XLA's command buffers, i.e. CUDA graphs, for the while loop).
+- ``forward``: the collection/inference Q-forward (:func:`foxhunt_jax.agent.network.q_forward`)
+  alone at ``--forward-n`` rows: time, rows/s, achieved FLOP/s, and equality of the Pallas
+  kernel with the Flax forward on fresh random inputs (expected-Q error, greedy-action
+  mismatches outside near-ties); each Pallas launch shape of ``--kernel-configs`` is timed.
+- ``collect``: collection throughput in env-steps/s at ``--collect-n`` episodes x L: the
+  collection loop (``rollout``: Q-forward, epsilon-greedy, env step, curiosity bonus,
+  auto-reset, the per-step transitions written out: the per-step work of
+  :func:`foxhunt_jax.training.collect.collect`'s scan), and the whole experience phase
+  (``collect`` + replay add) at ``--experience-n`` (its initial-priority pass holds
+  ``[N*L, width]`` activations); at the largest N a breakdown without curiosity and without
+  the Q-forward.
+- ``train``: learner throughput: steps/s at the seed batch and samples/s at ``--big-batch``.
+- ``replay``: add/sample/update beside flashbax (``scripts/bench_replay.py``).
+- ``cmdbuf``: the seed epoch with XLA command buffers for while loops, in a fresh process.
+
+Prints markdown tables and writes everything to ``--json`` (rewritten after every section, so
+a run cut short keeps what it measured). ``--quick`` shrinks everything for a CPU check;
+``--time-budget`` skips (and lists) work that would start too late.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import inspect
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+# in this order: the seed section compiles first in a fresh process (its compile is the cold one)
+SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "cmdbuf")
+# pallas:float32 is refused by the config (its kernel lost to XLA, BENCHMARKS.md); the forward
+# section still times the float32 kernel itself
+DEFAULT_VARIANTS = ("xla:float32", "xla:bfloat16", "pallas:bfloat16")
+# XLA's command buffers (CUDA graphs) extended to while loops and conditionals: a lax.scan then
+# replays as one graph instead of a host round trip per iteration.
+CMDBUF_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+QUICK_OVERRIDES = ("network.trunk=[32]", "network.head=16", "env.episode_length=8",
+                   "train.num_episodes=16", "train.train_steps=2", "train.batch_size=16",
+                   "train.validation_windows=4", "replay.capacity=1024", "curiosity.hidden=16",
+                   "curiosity.embed=8")
+CMDBUF_FLAGS = f"--xla_gpu_enable_command_buffer={CMDBUF_TYPES} --xla_gpu_graph_min_graph_size=1"
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles, min and max of a sample (ms or any unit)."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return {}
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": xs[0],
+            "max": xs[-1], "n": len(xs)}
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times in ms of ``fn()`` (each synchronized), after ``warmup`` untimed calls."""
+    import jax
+
+    out = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        if i >= warmup:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def parse_variants(text: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        backend, _, dtype = tok.partition(":")
+        dtype = {"f32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+        if backend not in ("xla", "pallas") or dtype not in ("float32", "bfloat16"):
+            raise argparse.ArgumentTypeError(f"variant '{tok}' must be xla|pallas:float32|bfloat16")
+        if (backend, dtype) == ("pallas", "float32"):
+            raise argparse.ArgumentTypeError("variant 'pallas:float32' is not a configuration (the"
+                                             " config refuses it; the forward section times it)")
+        out.append((backend, dtype))
+    if not out:
+        raise argparse.ArgumentTypeError("no variant given")
+    return tuple(out)
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(float(t)) for t in text.replace("_", "").split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got '{text}'")
+    return out
+
+
+def parse_kernel_configs(text: str):
+    """``"grouped:128:8,per_action:64:4:64"`` -> KernelConfigs (layout:block_rows:num_warps
+    with an optional :min_rows)."""
+    from pallas_kernels.q_forward import LAYOUTS, KernelConfig
+
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        parts = tok.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in LAYOUTS:
+            raise argparse.ArgumentTypeError(
+                f"kernel config '{tok}' must be layout:rows:warps[:min_rows]")
+        rows, warps = int(parts[1]), int(parts[2])
+        min_rows = int(parts[3]) if len(parts) == 4 else 16
+        if any(r < 16 or r & (r - 1) for r in (rows, min_rows)) or warps < 1:
+            raise argparse.ArgumentTypeError(f"kernel config '{tok}': rows powers of 2 >= 16")
+        out.append(KernelConfig(block_rows=rows, num_warps=warps, layout=parts[0],
+                                min_rows=min_rows))
+    return tuple(out)
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` (+ "with uncommitted changes"); ``FOXHUNT_BENCH_COMMIT``
+    when the tree has no git metadata (a copy sent to a device machine)."""
+    if os.environ.get("FOXHUNT_BENCH_COMMIT"):
+        return os.environ["FOXHUNT_BENCH_COMMIT"]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not rev:
+        return "unknown"
+    return rev + (" with uncommitted changes" if dirty else "")
+
+
+class Deadline:
+    """The run's time budget: sections skip work that would start after it."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def ok(self, need: float = 0.0) -> bool:
+        return self.left() > need
+
+
+def _build_trainer(cfg, market):
+    from foxhunt_jax.training.trainer import Trainer
+
+    kwargs = {}
+    if "devices" in inspect.signature(Trainer.build).parameters:
+        import jax
+        kwargs["devices"] = jax.devices()[:1]  # the single-device figures, whatever is visible
+    return Trainer.build(cfg, market=market, **kwargs)
+
+
+def _variant_cfg(args, backend: str, dtype: str, extra: list[str] = ()):
+    from foxhunt_jax.config import load_config
+
+    return load_config(args.config, list(args.overrides) + [f"network.backend={backend}",
+                                                           f"network.dtype={dtype}", *extra])
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16"}
+# seconds a section needs to be worth starting (the replay script has no budget of its own)
+_SECTION_MIN_S = {"replay": 40, "train": 25, "cmdbuf": 40, "compile": 15}
+
+
+def _vname(backend: str, dtype: str) -> str:
+    return f"{backend}/{_SHORT[dtype]}"
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+def section_device(args, out: dict, deadline: Deadline) -> None:
+    """GEMM rates, copy bandwidth and the per-iteration cost of a lax.scan."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 512 if args.quick else 8192
+    reps = 3 if args.quick else 10
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    gemm = {}
+    for name, dt, prec in (("bf16", jnp.bfloat16, None), ("f32_highest", jnp.float32, "highest"),
+                           ("f32_default", jnp.float32, None)):
+        f = jax.jit(lambda x, y, _d=dt, _p=prec: jnp.dot(x.astype(_d), y.astype(_d), precision=_p,
+                                                         preferred_element_type=jnp.float32))
+        m = n if name == "bf16" else n // 2  # f32 is ~10x slower; keep the call short
+        xa, xb = a[:m, :m], b[:m, :m]
+        ms = statistics.median(time_calls(lambda: f(xa, xb), reps, warmup=5))
+        gemm[name] = {"n": m, "ms": ms, "tflops": 2 * m ** 3 / (ms * 1e-3) / 1e12}
+    out["gemm"] = gemm
+
+    size = (1 << 22) if args.quick else (1 << 29)  # f32 elements: 2 GiB read, 2 GiB written
+    x = jnp.ones((size,), jnp.float32) * 1.5
+    copy = jax.jit(lambda v: v * 1.0001)
+    ms = statistics.median(time_calls(lambda: copy(x), reps, warmup=5))
+    out["copy"] = {"bytes_moved": 8 * size, "ms": ms, "gb_per_s": 8 * size / (ms * 1e-3) / 1e9}
+    del x, a, b
+
+    # one scan iteration: a trivial body over 1024 floats, L steps, per iteration
+    steps = 100
+    body = lambda c, _: (c * 1.0001 + 1.0, None)
+    scan = lambda c: jax.lax.scan(body, c, None, length=steps)[0]
+    c0 = jnp.ones((1024,), jnp.float32)
+    res = {}
+    variants = [("plain", None)]
+    if jax.default_backend() == "gpu":
+        variants.append(("command_buffer", {"xla_gpu_enable_command_buffer": CMDBUF_TYPES,
+                                            "xla_gpu_graph_min_graph_size": 1}))
+    for name, opts in variants:
+        try:
+            f = jax.jit(scan, compiler_options=opts) if opts else jax.jit(scan)
+            ms = statistics.median(time_calls(lambda: f(c0), reps * 3, warmup=2))
+            res[name] = {"us_per_iteration": ms * 1e3 / steps, "ms_per_scan": ms}
+        except Exception as e:  # an XLA build without these command types
+            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out["scan"] = {"steps": steps, **res}
+
+
+def section_forward(args, out: dict, deadline: Deadline, market) -> None:
+    """Q-forward alone: xla vs pallas (each launch shape), f32 vs bf16, at each of
+    ``--forward-n``; equality with the Flax forward on the device, on fresh inputs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from foxhunt_jax.agent.network import make_network, q_forward, support as make_support
+    from pallas_kernels.q_forward import default_config, forward_flops, fused_q_forward
+
+    cfg = _variant_cfg(args, "xla", "float32")
+    sizes = cfg.env.branch_sizes
+    obs_dim = _obs_dim(cfg, market)
+    z = make_support(cfg.network.v_min, cfg.network.v_max, cfg.network.atoms)
+    flops = forward_flops(obs_dim, cfg.network.trunk, cfg.network.head, cfg.network.atoms, sizes)
+    out.update({"n": list(args.forward_n), "obs_dim": obs_dim, "flops_per_row": flops,
+                "rows": []})
+    reps = 3 if args.quick else 10
+    nets = {dt: make_network(dataclasses.replace(cfg.network, dtype=dt), sizes)
+            for dt in ("float32", "bfloat16")}
+    params = nets["float32"].init(jax.random.key(args.seed), jnp.zeros((1, obs_dim), jnp.float32))
+    inputs = {n: jax.random.normal(jax.random.key(args.seed + 1), (n, obs_dim), jnp.float32)
+              for n in args.forward_n}
+
+    for dtype in sorted({d for _, d in args.variants}):
+        net = nets[dtype]
+        # fresh inputs for the equality check (not the timing inputs), of the largest N so that
+        # the checked program is the timed one
+        obs_chk = jax.random.normal(jax.random.key(args.seed + 2), (max(args.forward_n), obs_dim),
+                                    jnp.float32) * 2.0
+        # Both backends are timed returning expected Q and actions (one Pallas program per
+        # launch shape serves the check and the timing; writing Q is ~64 B a row).
+        f_xla = jax.jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+        ref_q, ref_a = f_xla(params, obs_chk)
+        ref_q = np.concatenate([np.asarray(x) for x in ref_q], axis=1)
+        ref_a = np.asarray(ref_a)
+        for n, obs in inputs.items():
+            ms = time_calls(lambda: f_xla(params, obs), reps, warmup=2)
+            row = {"n": n, "backend": "xla", "dtype": dtype, "config": "flax",
+                   **_fwd_rates(ms, n, flops)}
+            out["rows"].append(row)
+            print(f"  forward N={n} xla/{dtype}: {row['ms']:.3f} ms", flush=True)
+        default = default_config(dtype)  # the kernel of each precision, whatever --variants
+        for kc in [default] + [c for c in args.kernel_configs if c != default]:
+            name = f"{kc.layout}:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
+            if not deadline.ok(30):
+                out.setdefault("skipped", []).append(f"pallas/{dtype} {name}: time budget")
+                continue
+            chk_row = {"n": int(obs_chk.shape[0]), "backend": "pallas", "dtype": dtype,
+                       "config": name, "default": kc == default, "kind": "equality"}
+            try:
+                f = jax.jit(lambda p, o, _c=kc: fused_q_forward(p, o, net, z, config=_c))
+                q, a = f(params, obs_chk)
+                q = np.concatenate([np.asarray(x) for x in q], axis=1)
+                chk_row.update(_equality(q, np.asarray(a), ref_q, ref_a, sizes))
+                del q, a
+                for n, obs in inputs.items():
+                    ms = time_calls(lambda: f(params, obs), reps, warmup=2)
+                    row = {"n": n, "backend": "pallas", "dtype": dtype, "config": name,
+                           "default": kc == default, **_fwd_rates(ms, n, flops),
+                           "q_rel_err": chk_row["q_rel_err"],
+                           "action_mismatch": chk_row["action_mismatch"]}
+                    out["rows"].append(row)
+                    print(f"  forward N={n} pallas/{dtype} {name}: {row['ms']:.3f} ms, q rel "
+                          f"err {row['q_rel_err']:.2e}, action mismatches "
+                          f"{row['action_mismatch']}", flush=True)
+            except Exception as e:
+                chk_row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                print(f"  forward pallas/{dtype} {name}: FAILED {chk_row['error'][:300]}",
+                      flush=True)
+            out.setdefault("equality", []).append(chk_row)
+
+
+def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:
+    med = statistics.median(ms)
+    return {"ms": med, "ms_spread": spread(ms), "rows_per_s": n / (med * 1e-3),
+            "tflops": n * flops / (med * 1e-3) / 1e12}
+
+
+def _equality(q, a, ref_q, ref_a, sizes) -> dict:
+    """Kernel vs Flax: max relative expected-Q error; action mismatches outside near-ties."""
+    import numpy as np
+
+    rel = float(np.max(np.abs(q - ref_q)) / max(np.max(np.abs(ref_q)), 1e-30))
+    tol = 1e-4 * max(float(np.max(np.abs(ref_q))), 1e-30)  # a tie: top two within tol
+    mismatch, ties, off = 0, 0, 0
+    for d, n_d in enumerate(sizes):
+        block = ref_q[:, off:off + n_d]
+        off += n_d
+        top2 = np.sort(block, axis=1)[:, -2:] if n_d > 1 else np.concatenate(
+            [block - np.inf, block], axis=1)
+        near_tie = (top2[:, 1] - top2[:, 0]) <= max(tol, 4 * rel * np.max(np.abs(ref_q)))
+        differ = a[:, d] != ref_a[:, d]
+        mismatch += int(np.sum(differ & ~near_tie))
+        ties += int(np.sum(differ & near_tie))
+    return {"q_rel_err": rel, "action_mismatch": mismatch, "action_differ_at_ties": ties,
+            "checked_rows": int(q.shape[0])}
+
+
+def _obs_dim(cfg, market) -> int:
+    from foxhunt_jax.data.features import build_tables
+    from foxhunt_jax.env.trading import PORTFOLIO_DIM
+
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+    return int(tables.features.shape[1]) + PORTFOLIO_DIM
+
+
+def _run_epochs(tr, epochs: int, warmup: int) -> dict:
+    """Runs warmup + epochs epochs; returns per-phase spreads and the first epoch's init/compile."""
+    state = tr.init_state()
+    phases = {"experience": [], "training": [], "validation": [], "total": []}
+    first = None
+    for e in range(warmup + epochs):
+        state, rec = tr.run_epoch(state)
+        ms = rec["phase_ms"]
+        if first is None:
+            first = {"init_ms": ms.get("init", 0.0), "compile_ms": ms.get("compile", 0.0)}
+        if e >= warmup:
+            for k in ("experience", "training", "validation"):
+                phases[k].append(ms[k])
+            phases["total"].append(ms["experience"] + ms["training"] + ms["validation"])
+    return {**first, "phases": {k: spread(v) for k, v in phases.items()},
+            "samples": phases, "finite": bool(rec["finite_params"]), "last_loss": rec["loss"]}
+
+
+def section_seed(args, out: dict, deadline: Deadline, market) -> None:
+    """The seed workload's epoch, per phase, for every variant (in this process)."""
+    out.update({"config": str(args.config), "epochs": args.epochs, "warmup": args.warmup,
+                "rows": []})
+    for backend, dtype in args.variants:
+        if not deadline.ok(20):
+            out.setdefault("skipped", []).append(f"{backend}/{dtype}: time budget")
+            continue
+        row = {"backend": backend, "dtype": dtype}
+        try:
+            cfg = _variant_cfg(args, backend, dtype)
+            row.update({"num_episodes": cfg.train.num_episodes,
+                        "episode_length": cfg.env.episode_length,
+                        "train_steps": cfg.train.train_steps, "batch_size": cfg.train.batch_size,
+                        "validation_windows": cfg.train.validation_windows})
+            tr = _build_trainer(cfg, market)
+            row.update(_run_epochs(tr, args.epochs, args.warmup))
+            k = max(cfg.train.train_steps, 1)
+            row["train_step_ms"] = row["phases"]["training"]["median"] / k
+            ph = row["phases"]
+            print(f"  seed {backend}/{dtype}: total {ph['total']['median']:.2f} ms (exp "
+                  f"{ph['experience']['median']:.2f}, train {ph['training']['median']:.2f}, val "
+                  f"{ph['validation']['median']:.2f}), compile {row['compile_ms'] / 1e3:.1f} s",
+                  flush=True)
+            del tr
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        out["rows"].append(row)
+
+
+def _child_cmd(args, variants, json_path: Path, epochs: int) -> list[str]:
+    cmd = [sys.executable, "-m", "foxhunt_jax.bench", "--child", "--config", str(args.config),
+           "--variants", ",".join(f"{b}:{d}" for b, d in variants), "--json", str(json_path),
+           "--epochs", str(epochs), "--warmup", "1"]
+    for o in args.overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _run_child(cmd, env, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    json_path = Path(cmd[cmd.index("--json") + 1])
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not json_path.exists():
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or '')[-600:]}"}
+    res = json.loads(json_path.read_text())
+    res["process_wall_s"] = wall
+    return res
+
+
+def _child_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    # the parent holds device memory: a child must not try to take most of it up front
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env.update(extra)
+    return env
+
+
+def _report_child(name: str, res: dict) -> None:
+    for row in res.get("rows", []):
+        extra = ""
+        if "phases" in row:
+            extra = f", epoch {row['phases']['total']['median']:.2f} ms"
+        print(f"  {name} {row['backend']}/{row['dtype']}: compile "
+              f"{row.get('compile_ms', float('nan')) / 1e3:.2f} s (init "
+              f"{row.get('init_ms', float('nan')) / 1e3:.2f} s){extra}", flush=True)
+    if "error" in res:
+        print(f"  {name}: FAILED {res['error'][-300:]}", flush=True)
+
+
+def section_compile(args, out: dict, deadline: Deadline, cache: str, seed_rows: list) -> None:
+    """Whole-epoch compile: cold (the seed section's, in this process, with an empty persistent
+    cache that it fills) and from that cache in a fresh process."""
+    variants = args.compile_variants or args.variants
+    done = {(r["backend"], r["dtype"]) for r in seed_rows if "compile_ms" in r}
+    if not set(variants) <= done:  # the seed section did not fill the cache: a cold child does
+        res = _run_child(_child_cmd(args, variants, Path(cache) / "cold.json", 0),
+                         _child_env(FOXHUNT_JAX_CACHE=cache), deadline.left() - 10)
+        out["cold"] = res
+        _report_child("cold", res)
+    else:
+        out["cold"] = {"source": "seed section (this process, empty cache)",
+                       "rows": [{k: r[k] for k in ("backend", "dtype", "compile_ms", "init_ms")}
+                                for r in seed_rows if (r["backend"], r["dtype"]) in variants]}
+    if not deadline.ok(20):
+        out["cached"] = {"skipped": "time budget"}
+        return
+    res = _run_child(_child_cmd(args, variants, Path(cache) / "cached.json", 0),
+                     _child_env(FOXHUNT_JAX_CACHE=cache), deadline.left() - 10)
+    out["cached"] = res
+    _report_child("cached", res)
+
+
+def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:
+    """The seed epoch with XLA command buffers (CUDA graphs) for while loops, in a fresh process."""
+    import jax
+
+    if jax.default_backend() != "gpu" and not args.quick:
+        out["skipped"] = "command buffers are a GPU feature"
+        return
+    flags = (os.environ.get("XLA_FLAGS", "") + " " + CMDBUF_FLAGS).strip()
+    with tempfile.TemporaryDirectory(prefix="foxhunt-bench-cmdbuf-") as tmp:
+        epochs = max(3, args.epochs // 2)
+        res = _run_child(_child_cmd(args, args.cmdbuf_variants, Path(tmp) / "out.json", epochs),
+                         _child_env(FOXHUNT_JAX_CACHE="off", XLA_FLAGS=flags),
+                         deadline.left() - 5)
+    res["xla_flags"] = flags
+    res["epochs"] = epochs
+    out.update(res)
+    _report_child("command buffers", res)
+
+
+def child_main(args) -> dict:
+    """A fresh process: build, init and compile each variant (+ ``--epochs`` epochs)."""
+    from foxhunt_jax.jitcache import enable_compilation_cache
+    from foxhunt_jax.data.loader import load_market
+
+    t_import = time.perf_counter()
+    import jax
+    cache = enable_compilation_cache()
+    jax.devices()
+    startup = time.perf_counter() - t_import
+    rows = []
+    market = None
+    for backend, dtype in args.variants:
+        cfg = _variant_cfg(args, backend, dtype)
+        if market is None:
+            market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
+        tr = _build_trainer(cfg, market)
+        state = tr.init_state()
+        init_ms = tr.init_ms
+        tr.compile(state)
+        row = {"backend": backend, "dtype": dtype, "init_ms": init_ms,
+               "compile_ms": tr.compile_ms}
+        if args.epochs > 0:
+            tr.init_ms = tr.compile_ms = 0.0
+            phases = {"experience": [], "training": [], "validation": [], "total": []}
+            for e in range(args.warmup + args.epochs):
+                state, rec = tr.run_epoch(state)
+                ms = rec["phase_ms"]
+                if e >= args.warmup:
+                    for k in ("experience", "training", "validation"):
+                        phases[k].append(ms[k])
+                    phases["total"].append(ms["experience"] + ms["training"] + ms["validation"])
+            row["phases"] = {k: spread(v) for k, v in phases.items()}
+        rows.append(row)
+    res = {"cache": cache, "jax_startup_s": startup, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return res
+
+
+def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = True,
+                 use_rnd: bool = True):
+    """The collection loop alone: ``run(agent, rollout, key, epsilon) -> (rollout, traj)``.
+
+    Per step, as in :func:`foxhunt_jax.training.collect.collect`'s scan: Q-forward through
+    ``q_forward`` with the learner's backend, per-branch epsilon-greedy, vmapped env step,
+    curiosity bonus of the next observation, auto-reset, and the step's transitions stacked as
+    scan outputs. Not included: n-step targets, initial priorities and the replay write.
+    ``use_q=False`` acts uniformly at random (no forward); ``use_rnd=False`` skips curiosity.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from foxhunt_jax.agent import curiosity
+    from foxhunt_jax.agent.network import explore_actions, q_forward
+    from foxhunt_jax.training.collect import Rollout
+
+    net, z = learner.network, learner.support
+    backend, sizes = learner.net_cfg.backend, net.branch_sizes
+    step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
+    reset_v = jax.vmap(adapter.reset, in_axes=(0, None))
+    encode_v = jax.vmap(adapter.encode)
+
+    def run(agent, rollout, key, epsilon):
+        n = rollout.obs.shape[0]
+        rnd = agent.rnd if use_rnd else None
+
+        def body(carry, k):
+            k_act, k_step, k_reset = jax.random.split(k, 3)
+            if use_q:
+                _, greedy = q_forward(agent.params, carry.obs, net, z, backend)
+            else:
+                greedy = jnp.zeros((n, len(sizes)), jnp.int32)
+            action = explore_actions(k_act, greedy, sizes, epsilon if use_q else 1.0)
+            obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n),
+                                                         carry.env_state, action, env_params)
+            raw = bonus = jnp.zeros_like(reward)
+            if rnd is not None:
+                raw = curiosity.prediction_error(rnd, obs2)
+                bonus = curiosity.scale_bonus(rnd, raw)
+            out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
+                   "action": action, "reward": reward + bonus, "extrinsic": reward,
+                   "bonus": bonus, "terminated": term, "truncated": trunc, "novelty": raw}
+            obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
+            done = term | trunc
+            pick = lambda a, b: jnp.where(done.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+            new = Rollout(env_state=jax.tree.map(pick, state_r, state2),
+                          obs=pick(obs_r, obs2))
+            return new, out
+
+        return jax.lax.scan(body, rollout, jax.random.split(key, num_steps))
+
+    return run
+
+
+def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list) -> None:
+    """Collection throughput at each N (every variant at the largest N, ``--collect-variants``
+    below it), the experience phase at ``--experience-n`` and, from the seed section, at its N;
+    a breakdown at the largest N."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from foxhunt_jax.agent import replay
+    from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.training import collect as collect_mod
+    from foxhunt_jax.env.trading import PORTFOLIO_DIM
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+
+    out.update({"rows": [], "breakdown": []})
+    for r in seed_rows:  # the seed epoch's experience phase: collect + replay add at its N
+        if "phases" in r:
+            ms = r["phases"]["experience"]["median"]
+            out["rows"].append({"n": r["num_episodes"], "backend": r["backend"],
+                                "dtype": r["dtype"], "kind": "experience (seed epoch)",
+                                "ms": ms, "env_steps_per_s":
+                                    r["num_episodes"] * r["episode_length"] / (ms * 1e-3)})
+    eps = 0.1  # a late-training epsilon: mostly greedy actions, as after the decay
+    largest = max(args.collect_n)
+    bd_variant = (("pallas", "bfloat16") if ("pallas", "bfloat16") in args.variants
+                  else args.variants[-1])
+    for n in args.collect_n:
+        cfg0 = _variant_cfg(args, "xla", "float32", [f"train.num_episodes={n}"])
+        length = cfg0.env.episode_length
+        out["episode_length"] = length
+        tr = _build_trainer(cfg0, market)
+        env_p = tr.env_params["train"]
+        start = jax.jit(lambda p, k, _n=n: collect_mod.start(TRADING_ADAPTER, p, k, _n))
+        rollout0 = start(env_p, jax.random.key(args.seed))
+        reps = 3 if n >= 262144 else 5
+        variants = args.variants if n == largest else (args.collect_variants or args.variants)
+        for backend, dtype in variants:
+            if not deadline.ok(25):
+                out.setdefault("skipped", []).append(f"N={n} {backend}/{dtype}: time budget")
+                continue
+            cfg = _variant_cfg(args, backend, dtype, [f"train.num_episodes={n}"])
+            learner = make_learner(cfg, cfg.env.branch_sizes)
+            agent = jax.jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
+                jax.random.key(args.seed))
+            kinds = [("rollout", dict(use_q=True, use_rnd=True))]
+            if args.breakdown and n == largest and (backend, dtype) == bd_variant:
+                kinds += [("rollout_no_curiosity", dict(use_q=True, use_rnd=False)),
+                          ("env_only_random_actions", dict(use_q=False, use_rnd=False))]
+            for kind, flags in kinds:
+                row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
+                try:
+                    run = jax.jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
+                    keys = iter(jax.random.split(jax.random.key(args.seed + 7), reps + 2))
+                    ms = time_calls(lambda: run(agent, rollout0, next(keys), jnp.float32(eps)),
+                                    reps, warmup=1)
+                    med = statistics.median(ms)
+                    row.update({"ms": med, "ms_spread": spread(ms),
+                                "env_steps_per_s": n * length / (med * 1e-3),
+                                "us_per_step": med * 1e3 / length})
+                    print(f"  collect N={n} {backend}/{dtype} {kind}: {med:.2f} ms, "
+                          f"{row['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s", flush=True)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    print(f"  collect N={n} {backend}/{dtype} {kind}: FAILED {row['error'][:200]}",
+                          flush=True)
+                (out["breakdown"] if kind != "rollout" else out["rows"]).append(row)
+            # the whole experience phase: collect (incl. n-step targets and initial priorities)
+            # + replay add; its priority pass holds [N*L, width] activations, so only small N
+            if n in args.experience_n and deadline.ok(25):
+                row = {"n": n, "backend": backend, "dtype": dtype, "kind": "experience"}
+                try:
+                    cap = 1 << max(int(math.ceil(math.log2(n * length))), 10)
+                    example = {"obs": {"bar": jnp.zeros((), jnp.int32),
+                                       "portfolio": jnp.zeros((PORTFOLIO_DIM,), jnp.float32)},
+                               "action": jnp.zeros((len(cfg.env.branch_sizes),), jnp.int32),
+                               "reward": jnp.zeros((), jnp.float32),
+                               "discount": jnp.zeros((), jnp.float32)}
+                    example["next_obs"] = example["obs"]
+                    buf = replay.init(example, cap)
+
+                    def phase(agent, rollout, buf, key, e, _l=learner):
+                        r2, items, prio, rnd, stats = collect_mod.collect(
+                            _l, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
+                        return r2, replay.add(buf, items, prio, cfg.replay.alpha,
+                                              cfg.replay.priority_eps), stats
+
+                    ph = jax.jit(phase)
+                    keys = iter(jax.random.split(jax.random.key(args.seed + 9), reps + 2))
+                    ms = time_calls(lambda: ph(agent, rollout0, buf, next(keys), jnp.float32(eps)),
+                                    reps, warmup=1)
+                    med = statistics.median(ms)
+                    row.update({"ms": med, "ms_spread": spread(ms),
+                                "env_steps_per_s": n * length / (med * 1e-3)})
+                    print(f"  experience N={n} {backend}/{dtype}: {med:.2f} ms", flush=True)
+                    del buf
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    print(f"  experience N={n} {backend}/{dtype}: FAILED {row['error'][:200]}",
+                          flush=True)
+                out["rows"].append(row)
+            del agent
+        del rollout0, tr
+        np.asarray(0)
+
+
+def section_train(args, out: dict, deadline: Deadline, market, seed_rows: list) -> None:
+    """Learner throughput: steps/s at the seed batch (from the seed section), samples/s at a big
+    batch (its own trainer; the Q-forward backend does not enter training)."""
+    out["rows"] = []
+    for row in seed_rows:
+        if "phases" in row and row["backend"] == "xla":
+            step = row["train_step_ms"]
+            out["rows"].append({"dtype": row["dtype"], "batch": row["batch_size"],
+                                "step_ms": step, "steps_per_s": 1e3 / step,
+                                "samples_per_s": row["batch_size"] * 1e3 / step,
+                                "source": "seed section"})
+    for dtype in sorted({d for _, d in args.variants}):
+        if not deadline.ok(25):
+            out.setdefault("skipped", []).append(f"batch {args.big_batch} {dtype}: time budget")
+            continue
+        row = {"dtype": dtype, "batch": args.big_batch}
+        try:
+            cfg = _variant_cfg(args, "xla", dtype, [f"train.batch_size={args.big_batch}"])
+            tr = _build_trainer(cfg, market)
+            res = _run_epochs(tr, max(3, args.epochs // 4), 1)
+            k = max(cfg.train.train_steps, 1)
+            step = res["phases"]["training"]["median"] / k
+            row.update({"step_ms": step, "steps_per_s": 1e3 / step,
+                        "samples_per_s": args.big_batch * 1e3 / step,
+                        "training_ms": res["phases"]["training"], "train_steps": k})
+            print(f"  train batch {args.big_batch} {dtype}: {step:.3f} ms/step, "
+                  f"{row['samples_per_s'] / 1e6:.2f}M samples/s", flush=True)
+            del tr
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        out["rows"].append(row)
+
+
+def section_replay(args, out: dict, deadline: Deadline) -> None:
+    """Replay add/sample/update beside flashbax, through scripts/bench_replay.py."""
+    path = REPO / "scripts" / "bench_replay.py"
+    if not path.exists():
+        out["error"] = f"{path} not found (run from a checkout)"
+        return
+    spec = importlib.util.spec_from_file_location("foxhunt_bench_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if args.quick:
+        argv = ["--capacities", "2^10", "--add-sizes", "256,64", "--batch-sizes", "16",
+                "--repeats", "2", "--warmup", "1"]
+    else:
+        argv = ["--capacities", args.replay_capacities, "--repeats", str(args.replay_repeats)]
+    out.update(mod.main(argv))
+
+
+# --- roofline ------------------------------------------------------------------------------------
+
+def roofline(res: dict, args) -> dict:
+    """FLOPs and bytes per env step against the measured GEMM rate and bandwidth."""
+    from foxhunt_jax.config import load_config
+
+    cfg = load_config(args.config, list(args.overrides))
+    fwd = res.get("forward", {})
+    dev = res.get("device", {})
+    obs_dim = fwd.get("obs_dim")
+    if not obs_dim or "gemm" not in dev:
+        return {}
+    q_flops = fwd["flops_per_row"]
+    h, e = cfg.curiosity.hidden, cfg.curiosity.embed
+    # RND: target and predictor, each D -> h -> h -> e
+    rnd_flops = 0 if cfg.curiosity.coef == 0 else 2 * 2 * (obs_dim * h + h * h + h * e)
+    # The fewest bytes an env step moves: the feature row gathered (F floats), open/high/low/
+    # close/sigma at t and t+1, the episode state read and written (10 x 4 B each way), the
+    # transition written (bar + 6 portfolio floats for s and s', 3 actions, reward, extrinsic,
+    # bonus, novelty, 2 flags) and the observation written and read back by the next forward.
+    f = obs_dim - 6
+    bytes_step = 4 * f + 2 * 5 * 4 + 2 * 10 * 4 + (2 * 28 + 12 + 16 + 2) + 2 * obs_dim * 4
+    bf16 = dev["gemm"]["bf16"]["tflops"] * 1e12
+    f32 = dev["gemm"]["f32_highest"]["tflops"] * 1e12
+    bw = dev["copy"]["gb_per_s"] * 1e9
+    out = {"q_forward_flops": q_flops, "rnd_flops": rnd_flops, "bytes_per_step": bytes_step,
+           "gemm_bf16_tflops": bf16 / 1e12, "gemm_f32_highest_tflops": f32 / 1e12,
+           "copy_gb_per_s": bw / 1e9}
+    for name, rate in (("bf16", bf16), ("f32", f32)):
+        # curiosity stays float32 HIGHEST (curiosity.py says why) whatever the Q precision
+        t = q_flops / rate + rnd_flops / f32
+        out[f"floor_steps_per_s_{name}"] = 1.0 / max(t, bytes_step / bw)
+        out[f"floor_steps_per_s_{name}_no_curiosity"] = 1.0 / max(q_flops / rate, bytes_step / bw)
+    return out
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+def _f(x, fmt="{:.2f}"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def tables(res: dict) -> str:
+    """The results as markdown tables (what BENCHMARKS.md shows)."""
+    lines = []
+    meta = res.get("meta", {})
+    lines.append(f"device: {meta.get('device')}  jax {meta.get('jax')}  commit {meta.get('commit')}")
+    dev = res.get("device", {})
+    if "gemm" in dev:
+        g = dev["gemm"]
+        lines.append(f"GEMM TFLOP/s: bf16 {g['bf16']['tflops']:.1f}, f32 HIGHEST "
+                     f"{g['f32_highest']['tflops']:.1f}, f32 default {g['f32_default']['tflops']:.1f}"
+                     f"; copy {dev['copy']['gb_per_s']:.0f} GB/s (read+write)")
+        sc = dev.get("scan", {})
+        lines.append("lax.scan iteration: " + ", ".join(
+            f"{k} {v['us_per_iteration']:.1f} us" if "us_per_iteration" in v else f"{k} error"
+            for k, v in sc.items() if isinstance(v, dict)))
+    seed = res.get("seed", {})
+    if seed.get("rows"):
+        lines += ["", f"Seed epoch ({seed['config']}, median [p25-p75] of {seed['epochs']} epochs "
+                      f"after {seed['warmup']} warm-up), ms",
+                  "| variant | experience | training (ms/step) | validation | total | compile s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in seed["rows"]:
+            if "phases" not in r:
+                lines.append(f"| {_vname(r['backend'], r['dtype'])} | error: "
+                             f"{r.get('error', '')[:80]} |||||")
+                continue
+            p = r["phases"]
+            cell = lambda k: f"{p[k]['median']:.2f} [{p[k]['p25']:.2f}-{p[k]['p75']:.2f}]"
+            lines.append(f"| {_vname(r['backend'], r['dtype'])} | {cell('experience')} | "
+                         f"{cell('training')} ({r['train_step_ms']:.3f}) | {cell('validation')} | "
+                         f"{cell('total')} | {r['compile_ms'] / 1e3:.2f} |")
+    comp = res.get("compile", {})
+    if comp.get("cold", {}).get("rows"):
+        lines += ["", "Whole-epoch compile (the three phase programs) and the state-init program, s:"
+                      " cold = empty persistent cache; cached = a fresh process loading it",
+                  "| variant | cold compile | cold init | cached compile | cached init |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        warm = {(r["backend"], r["dtype"]): r for r in comp.get("cached", {}).get("rows", [])}
+        for c in comp["cold"]["rows"]:
+            w = warm.get((c["backend"], c["dtype"]), {})
+            lines.append(f"| {_vname(c['backend'], c['dtype'])} | {c['compile_ms'] / 1e3:.2f} | "
+                         f"{c['init_ms'] / 1e3:.2f} | "
+                         f"{_f(w.get('compile_ms', float('nan')) / 1e3)} | "
+                         f"{_f(w.get('init_ms', float('nan')) / 1e3)} |")
+    for name in ("cold", "cached"):
+        if "error" in comp.get(name, {}):
+            lines.append(f"compile {name}: error {comp[name]['error'][-200:]}")
+    cb = res.get("cmdbuf", {})
+    if cb.get("rows") or "error" in cb:
+        lines += ["", f"Seed epoch with XLA command buffers for while loops ({cb.get('xla_flags')}),"
+                      f" fresh process, median of {cb.get('epochs')} epochs, ms"]
+        for r in cb.get("rows", []):
+            if "phases" in r:
+                p = r["phases"]
+                lines.append(f"{_vname(r['backend'], r['dtype'])}: total {p['total']['median']:.2f}"
+                             f" (experience {p['experience']['median']:.2f}, training "
+                             f"{p['training']['median']:.2f}, validation "
+                             f"{p['validation']['median']:.2f}); compile "
+                             f"{r['compile_ms'] / 1e3:.2f} s")
+        if "error" in cb:
+            lines.append(f"error: {cb['error'][-300:]}")
+    fwd = res.get("forward", {})
+    if fwd.get("rows"):
+        lines += ["", f"Q-forward alone ({fwd['flops_per_row']:,} FLOP/row; Pallas launch = "
+                      "layout:rows:warps:min_rows)",
+                  "| N | variant | launch | ms | rows/s | TFLOP/s | q rel err vs Flax | "
+                  "action mismatches |",
+                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in sorted(fwd["rows"], key=lambda r: (r["n"], r["dtype"], r["backend"])):
+            lines.append(f"| {r['n']:,} | {_vname(r['backend'], r['dtype'])} | {r['config']} | "
+                         f"{r['ms']:.3f} | {r['rows_per_s'] / 1e9:.3f}e9 | {r['tflops']:.1f} | "
+                         f"{_f(r.get('q_rel_err'), '{:.1e}')} | {r.get('action_mismatch', '-')} |")
+    for r in fwd.get("equality", []):
+        if "error" in r:
+            lines.append(f"pallas/{_SHORT[r['dtype']]} {r['config']}: error {r['error'][:200]}")
+    col = res.get("collect", {})
+    if col.get("rows"):
+        lines += ["", f"Collection, env-steps/s (L = {col.get('episode_length')}; rollout = the "
+                      "collection loop, experience = collect + replay add)",
+                  "| N | kind | " + " | ".join(_vname(b, d) for b, d in res["meta"]["variants"]) + " |",
+                  "| ---: | --- | " + " | ".join("---:" for _ in res["meta"]["variants"]) + " |"]
+        keys = sorted({(r["n"], r["kind"]) for r in col["rows"]})
+        for n, kind in keys:
+            cells = []
+            for b, d in res["meta"]["variants"]:
+                r = next((x for x in col["rows"] if x["n"] == n and x["kind"] == kind
+                          and x["backend"] == b and x["dtype"] == d), None)
+                cells.append("-" if r is None else ("error" if "error" in r else
+                                                    f"{r['env_steps_per_s'] / 1e9:.3f}e9"))
+            lines.append(f"| {n:,} | {kind} | " + " | ".join(cells) + " |")
+        for r in col.get("breakdown", []):
+            if "ms" in r:
+                lines.append(f"breakdown N={r['n']:,} {_vname(r['backend'], r['dtype'])} "
+                             f"{r['kind']}: {r['ms']:.2f} ms ({r['us_per_step']:.1f} us/step), "
+                             f"{r['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s")
+    trn = res.get("train", {})
+    if trn.get("rows"):
+        lines += ["", "Training throughput",
+                  "| precision | batch | ms/step | steps/s | samples/s |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for r in trn["rows"]:
+            if "step_ms" in r:
+                lines.append(f"| {r['dtype']} | {r['batch']} | {r['step_ms']:.3f} | "
+                             f"{r['steps_per_s']:.0f} | {r['samples_per_s'] / 1e6:.2f}M |")
+    rep = res.get("replay", {})
+    if rep.get("rows"):
+        lines += ["", "Replay (ms, median)", "| capacity | op | ours | flashbax | flashbax / ours |",
+                  "| ---: | --- | ---: | ---: | ---: |"]
+        for r in rep["rows"]:
+            lines.append(f"| {r['capacity']:,} | {r['op']} | {_f(r['ours_ms'], '{:.3f}')} | "
+                         f"{_f(r['flashbax_ms'], '{:.3f}')} | {_f(r['ratio'])} |")
+    roof = res.get("roofline", {})
+    if roof:
+        lines += ["", f"Roofline per env step: Q-forward {roof['q_forward_flops']:,} FLOP, "
+                      f"curiosity {roof['rnd_flops']:,} FLOP (f32), >= {roof['bytes_per_step']} B; "
+                      f"floor {roof['floor_steps_per_s_bf16'] / 1e9:.2f}e9 env-steps/s in bf16 "
+                      f"({roof['floor_steps_per_s_bf16_no_curiosity'] / 1e9:.2f}e9 without "
+                      f"curiosity), {roof['floor_steps_per_s_f32'] / 1e9:.2f}e9 in f32"]
+    return "\n".join(lines)
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="workload config (default: seed; quick: smoke)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted config override (repeatable)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a CPU check of every path")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--variants", type=parse_variants, default=None,
+                   help="backend:dtype list (default xla:float32,xla:bfloat16,pallas:bfloat16)")
+    p.add_argument("--compile-variants", type=parse_variants, default=None,
+                   help="variants for the compile section (default: --variants)")
+    p.add_argument("--epochs", type=int, default=None, help="timed epochs (default 20; quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed epochs first (default 2)")
+    p.add_argument("--forward-n", type=parse_ints, default=None,
+                   help="rows of the forward benchmark (default 1024,1048576)")
+    p.add_argument("--collect-n", type=parse_ints, default=None,
+                   help="episode counts (default 1024,16384,262144,1048576)")
+    p.add_argument("--collect-variants", type=parse_variants, default=None,
+                   help="variants timed at N below the largest --collect-n (default: --variants)")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the collection breakdown (no curiosity, no Q-forward) at the "
+                        "largest N")
+    p.add_argument("--experience-n", type=parse_ints, default=None,
+                   help="N at which the whole experience phase is timed too (default 16384; the"
+                        " seed section has N = 1024; its priority pass holds N*L activations)")
+    p.add_argument("--big-batch", type=int, default=None, help="training batch (default 4096)")
+    p.add_argument("--replay-capacities", default="2^20,2^22")
+    p.add_argument("--replay-repeats", type=int, default=10, help="timed calls per replay op")
+    p.add_argument("--kernel-configs", type=str, default="",
+                   help="extra Pallas launch shapes to time, layout:rows:warps,...")
+    p.add_argument("--cmdbuf-variants", type=parse_variants,
+                   default=parse_variants("xla:float32,pallas:bfloat16"),
+                   help="variants of the command-buffer section (default xla:float32,"
+                        "pallas:bfloat16)")
+    p.add_argument("--time-budget", type=float, default=3600.0,
+                   help="seconds; work that would start later is skipped and listed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def _defaults(args) -> None:
+    q = args.quick
+    if args.config is None:
+        args.config = "smoke" if q else "seed"
+    if args.variants is None:
+        args.variants = parse_variants(",".join(DEFAULT_VARIANTS))
+    if args.epochs is None:
+        args.epochs = 3 if q else 20
+    if args.warmup is None:
+        args.warmup = 1 if q else 2
+    if args.forward_n is None:
+        args.forward_n = (64, 256) if q else (1024, 1 << 20)
+    if args.collect_n is None:
+        args.collect_n = (16, 64) if q else (1024, 16384, 262144, 1048576)
+    if args.experience_n is None:
+        args.experience_n = (16,) if q else (16384,)
+    if args.big_batch is None:
+        args.big_batch = 128 if q else 4096
+    if isinstance(args.kernel_configs, str):
+        args.kernel_configs = parse_kernel_configs(args.kernel_configs) if args.kernel_configs else ()
+    if args.epochs < (0 if args.child else 1) or args.warmup < 0:
+        raise SystemExit("error: --epochs must be >= 1 and --warmup >= 0")
+    if q and not args.child:
+        # a CPU check of every code path: the smoke config shrunk further (compiles dominate)
+        args.overrides = list(QUICK_OVERRIDES) + list(args.overrides)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="foxhunt-jax bench", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return run(args, argv if argv is not None else sys.argv[1:])
+
+
+def _command_line(argv) -> str:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["bench"]:
+        words = words[1:]
+    return " ".join(["foxhunt-jax", "bench"] + [shlex.quote(w) for w in words])
+
+
+def run(args, argv=None) -> dict:
+    _defaults(args)
+    if args.child:
+        return child_main(args)
+    import jax
+
+    from foxhunt_jax.data.loader import load_market
+    from foxhunt_jax.jitcache import enable_compilation_cache
+
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"error: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
+    deadline = Deadline(args.time_budget)
+    # In-process compiles are cold: a fresh persistent cache that only this run writes (the
+    # compile section's children measure loading from a cache of their own).
+    tmp_cache = tempfile.mkdtemp(prefix="foxhunt-bench-main-")
+    enable_compilation_cache(tmp_cache)
+    d = jax.devices()[0]
+    res: dict = {"meta": {
+        "date": datetime.date.today().isoformat(), "commit": git_commit(),
+        "command": _command_line(argv),
+        "device": f"{d.platform} ({getattr(d, 'device_kind', d.platform)}) x{len(jax.devices())}",
+        "jax": jax.__version__, "backend": jax.default_backend(), "quick": bool(args.quick),
+        "config": str(args.config), "overrides": list(args.overrides),
+        "variants": [list(v) for v in args.variants], "sections": sections,
+        "python": sys.version.split()[0]}}
+
+    def save():
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+
+    cfg0 = _variant_cfg(args, "xla", "float32")
+    market = load_market(cfg0.data.source, sort=cfg0.data.sort, synthetic=cfg0.data.synthetic)
+    print(f"device: {res['meta']['device']}, jax {jax.__version__}", flush=True)
+    for name in SECTIONS:  # fixed order
+        if name not in sections:
+            continue
+        t0 = time.perf_counter()
+        print(f"[{name}] ({deadline.left():.0f} s left)", flush=True)
+        out = res.setdefault(name, {})
+        if not deadline.ok(_SECTION_MIN_S.get(name, 0)):
+            out["skipped"] = "time budget"
+            continue
+        try:
+            if name == "device":
+                section_device(args, out, deadline)
+            elif name == "forward":
+                section_forward(args, out, deadline, market)
+            elif name == "seed":
+                section_seed(args, out, deadline, market)
+            elif name == "compile":
+                section_compile(args, out, deadline, tmp_cache,
+                                res.get("seed", {}).get("rows", []))
+            elif name == "cmdbuf":
+                section_cmdbuf(args, out, deadline)
+            elif name == "collect":
+                section_collect(args, out, deadline, market, res.get("seed", {}).get("rows", []))
+            elif name == "train":
+                section_train(args, out, deadline, market, res.get("seed", {}).get("rows", []))
+            elif name == "replay":
+                section_replay(args, out, deadline)
+        except Exception as e:  # keep the other sections' results
+            out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            traceback.print_exc()
+        out["section_s"] = time.perf_counter() - t0
+        res["roofline"] = roofline(res, args)
+        save()
+    print(tables(res), flush=True)
+    save()
+    shutil.rmtree(tmp_cache, ignore_errors=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

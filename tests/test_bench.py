@@ -1,0 +1,161 @@
+"""``foxhunt-jax bench``: a tiny CPU run of its device, forward, collect and replay sections, and
+the statistics, tables and roofline of the others checked on recorded phase times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+
+import numpy as np
+import pytest
+
+from foxhunt_jax import bench
+from foxhunt_jax.cli import build_parser, cmd_bench
+from foxhunt_jax.config import load_config
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"numpy seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def test_quick_run_writes_json_and_tables(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    # the Trainer sections compile three phase programs per variant (a minute on a busy CPU):
+    # test_seed_section_statistics_and_tables covers their arithmetic on recorded times
+    res = bench.main(["--quick", "--json", str(out), "--sections", "device,forward,collect",
+                      "--variants", "xla:float32", "--forward-n", "64", "--collect-n", "16",
+                      "--experience-n", "1", "--no-breakdown"])
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["sections"] == ["device", "forward", "collect"]
+    assert saved["meta"]["quick"] is True
+    dev = saved["device"]
+    assert dev["gemm"]["bf16"]["tflops"] > 0 and dev["copy"]["gb_per_s"] > 0
+    assert dev["scan"]["plain"]["us_per_iteration"] > 0
+    fwd = saved["forward"]
+    assert {(r["n"], r["backend"]) for r in fwd["rows"]} == {(64, "xla"), (64, "pallas")}
+    assert all(r["ms"] > 0 and r["rows_per_s"] > 0 for r in fwd["rows"])
+    [chk] = fwd["equality"]  # the f32 kernel (interpreted here) against the Flax forward
+    assert chk["q_rel_err"] < 1e-5 and chk["action_mismatch"] == 0 and chk["checked_rows"] == 64
+    col = saved["collect"]
+    [row] = col["rows"]
+    assert (row["n"], row["kind"], row["backend"]) == (16, "rollout", "xla")
+    # env-steps/s is N * L over the measured time
+    assert row["env_steps_per_s"] == pytest.approx(16 * col["episode_length"] / (row["ms"] / 1e3))
+    assert col["breakdown"] == []
+    assert saved["roofline"]["q_forward_flops"] == fwd["flops_per_row"]
+    printed = capsys.readouterr().out
+    assert "Q-forward alone" in printed and "Collection, env-steps/s" in printed
+    assert res["meta"]["command"].startswith("foxhunt-jax bench --quick")
+
+
+class _RecordedTrainer:
+    """Replays recorded phase times through the Trainer methods the bench calls."""
+
+    def __init__(self, times: np.ndarray, compile_ms: float, init_ms: float):
+        self.times, self.compile_ms, self.init_ms, self.k = times, compile_ms, init_ms, 0
+
+    def init_state(self):
+        return 0
+
+    def run_epoch(self, state):
+        exp, trn, val = self.times[self.k]
+        ms = {"experience": exp, "training": trn, "validation": val,
+              "init": self.init_ms if self.k == 0 else 0.0,
+              "compile": self.compile_ms if self.k == 0 else 0.0}
+        self.k += 1
+        return state + 1, {"phase_ms": ms, "finite_params": True, "loss": 1.0}
+
+
+def _args(**kw):
+    ns = argparse.Namespace(config="seed", overrides=[], epochs=20, warmup=2, quick=False,
+                            variants=(("xla", "float32"), ("pallas", "bfloat16")), seed=0,
+                            big_batch=4096)
+    ns.__dict__.update(kw)
+    return ns
+
+
+def test_seed_section_statistics_and_tables(monkeypatch, rng):
+    epochs, warmup = 20, 2
+    recorded = {v: rng.uniform(1.0, 50.0, size=(epochs + warmup, 3)) for v in ("xla", "pallas")}
+    made = []
+
+    def build(cfg, market):
+        tr = _RecordedTrainer(recorded[cfg.network.backend], 4321.0, 123.0)
+        made.append((cfg.network.backend, cfg.network.dtype, tr))
+        return tr
+
+    monkeypatch.setattr(bench, "_build_trainer", build)
+    out = {}
+    bench.section_seed(_args(), out, bench.Deadline(60), market=None)
+    assert [(b, d) for b, d, _ in made] == [("xla", "float32"), ("pallas", "bfloat16")]
+    for row in out["rows"]:
+        t = recorded[row["backend"]][warmup:]
+        total = t.sum(axis=1)
+        for k, col in (("experience", t[:, 0]), ("training", t[:, 1]), ("validation", t[:, 2]),
+                       ("total", total)):
+            p = row["phases"][k]
+            assert p["median"] == pytest.approx(np.median(col))
+            assert (p["p25"], p["p75"]) == pytest.approx(tuple(np.percentile(col, [25, 75])))
+            assert (p["min"], p["max"], p["n"]) == (col.min(), col.max(), epochs)
+        assert row["compile_ms"] == 4321.0 and row["init_ms"] == 123.0
+        assert row["train_step_ms"] == pytest.approx(np.median(t[:, 1]) / 50)  # seed K = 50
+        assert (row["num_episodes"], row["episode_length"], row["batch_size"]) == (1024, 100, 64)
+
+    train = {}
+    bench.section_train(_args(variants=()), train, bench.Deadline(60), None, out["rows"])
+    [t] = train["rows"]  # only the xla row: training does not depend on the forward backend
+    assert t["steps_per_s"] == pytest.approx(1e3 / out["rows"][0]["train_step_ms"])
+    assert t["samples_per_s"] == pytest.approx(64 * t["steps_per_s"])
+
+    res = {"meta": {"variants": [["xla", "float32"], ["pallas", "bfloat16"]]},
+           "seed": {**out, "config": "seed", "epochs": epochs, "warmup": warmup}, "train": train}
+    text = bench.tables(res)
+    med = out["rows"][0]["phases"]["total"]["median"]
+    assert "| xla/f32 | " in text and f"{med:.2f}" in text and "| pallas/bf16 |" in text
+
+
+def test_spread_matches_numpy_percentiles(rng):
+    x = rng.standard_normal(int(rng.integers(2, 50)))
+    s = bench.spread(list(x))
+    np.testing.assert_allclose([s["median"], s["p25"], s["p75"], s["min"], s["max"]],
+                               [np.median(x), *np.percentile(x, [25, 75]), x.min(), x.max()])
+    assert s["n"] == len(x)
+    assert bench.spread([]) == {}
+
+
+def test_roofline_from_measured_rates():
+    args = _args(config="seed")
+    cfg = load_config("seed")
+    q_flops, d = 521_000, 40
+    res = {"forward": {"obs_dim": d, "flops_per_row": q_flops},
+           "device": {"gemm": {"bf16": {"tflops": 500.0}, "f32_highest": {"tflops": 40.0}},
+                      "copy": {"gb_per_s": 3000.0}}}
+    roof = bench.roofline(res, args)
+    h, e = cfg.curiosity.hidden, cfg.curiosity.embed
+    rnd = 4 * (d * h + h * h + h * e)
+    assert roof["rnd_flops"] == rnd
+    assert roof["floor_steps_per_s_bf16"] == pytest.approx(1 / (q_flops / 500e12 + rnd / 40e12))
+    assert roof["floor_steps_per_s_bf16_no_curiosity"] == pytest.approx(500e12 / q_flops)
+    assert roof["floor_steps_per_s_f32"] == pytest.approx(1 / ((q_flops + rnd) / 40e12))
+
+
+def test_argument_parsing_and_cli_entry():
+    assert bench.parse_variants("xla:f32,pallas:bf16") == (("xla", "float32"),
+                                                           ("pallas", "bfloat16"))
+    for bad in ("cuda:float32", "xla:float16", "pallas:float32", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_variants(bad)
+    [kc] = bench.parse_kernel_configs("per_action:64:4:32")
+    assert (kc.layout, kc.block_rows, kc.num_warps, kc.min_rows) == ("per_action", 64, 4, 32)
+    for bad in ("grouped:100:4", "rows:64:4", "grouped:64"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_kernel_configs(bad)
+    assert bench.parse_ints("1024,1_048_576") == (1024, 1048576)
+    args = build_parser().parse_args(["bench", "--quick", "--sections", "device"])
+    assert args._run is cmd_bench and args.quick and args.sections == "device"
+    with pytest.raises(SystemExit, match="unknown section"):
+        bench.main(["--quick", "--sections", "gpu"])
