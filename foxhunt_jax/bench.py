@@ -540,53 +540,29 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
                  use_rnd: bool = True):
     """The collection loop alone: ``run(agent, rollout, key, epsilon) -> (rollout, traj)``.
 
-    Per step, as in :func:`foxhunt_jax.training.collect.collect`'s scan: Q-forward through
-    ``q_forward`` with the learner's backend, per-branch epsilon-greedy, vmapped env step,
-    curiosity bonus of the next observation, auto-reset, and the step's transitions stacked as
-    scan outputs. Not included: n-step targets, initial priorities and the replay write.
-    ``use_q=False`` acts uniformly at random (no forward); ``use_rnd=False`` skips curiosity.
+    :func:`foxhunt_jax.training.collect.trajectory` (Q-forward with the learner's backend,
+    per-branch epsilon-greedy, env step, auto-reset, the per-step transitions written out; one
+    fused kernel with ``backend=pallas``) followed by the curiosity pass over the next
+    observations (:func:`~foxhunt_jax.training.collect.novelty`). Not included: n-step targets,
+    initial priorities and the replay write. ``use_rnd=False`` skips curiosity; ``use_q=False``
+    times the env's own random-action rollout (:func:`foxhunt_jax.env.trading.rollout`: env
+    step, random actions, auto-reset; no forward, no transitions kept).
     """
     import jax
-    import jax.numpy as jnp
 
-    from foxhunt_jax.agent import curiosity
-    from foxhunt_jax.agent.network import explore_actions, q_forward
-    from foxhunt_jax.training.collect import Rollout
-
-    net, z = learner.network, learner.support
-    backend, sizes = learner.net_cfg.backend, net.branch_sizes
-    step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
-    reset_v = jax.vmap(adapter.reset, in_axes=(0, None))
-    encode_v = jax.vmap(adapter.encode)
+    from foxhunt_jax.env import trading
+    from foxhunt_jax.training import collect
 
     def run(agent, rollout, key, epsilon):
-        n = rollout.obs.shape[0]
-        rnd = agent.rnd if use_rnd else None
-
-        def body(carry, k):
-            k_act, k_step, k_reset = jax.random.split(k, 3)
-            if use_q:
-                _, greedy = q_forward(agent.params, carry.obs, net, z, backend)
-            else:
-                greedy = jnp.zeros((n, len(sizes)), jnp.int32)
-            action = explore_actions(k_act, greedy, sizes, epsilon if use_q else 1.0)
-            obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n),
-                                                         carry.env_state, action, env_params)
-            raw = bonus = jnp.zeros_like(reward)
-            if rnd is not None:
-                raw = curiosity.prediction_error(rnd, obs2)
-                bonus = curiosity.scale_bonus(rnd, raw)
-            out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
-                   "action": action, "reward": reward + bonus, "extrinsic": reward,
-                   "bonus": bonus, "terminated": term, "truncated": trunc, "novelty": raw}
-            obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
-            done = term | trunc
-            pick = lambda a, b: jnp.where(done.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-            new = Rollout(env_state=jax.tree.map(pick, state_r, state2),
-                          obs=pick(obs_r, obs2))
-            return new, out
-
-        return jax.lax.scan(body, rollout, jax.random.split(key, num_steps))
+        if not use_q:
+            return trading.rollout(key, env_params, trading.random_policy(
+                learner.network.branch_sizes), rollout.obs.shape[0], num_steps)
+        rollout, traj = collect.trajectory(learner, adapter, env_params, agent.params, rollout,
+                                           key, epsilon, num_steps)
+        if use_rnd and agent.rnd is not None:
+            traj = dict(traj, novelty=collect.novelty(adapter, env_params, agent.rnd,
+                                                      traj["next_obs"]))
+        return rollout, traj
 
     return run
 
@@ -694,6 +670,58 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             del agent
         del rollout0, tr
         np.asarray(0)
+    if ("pallas", "bfloat16") in args.variants and deadline.ok(30):
+        try:
+            out["equality"] = rollout_equality(args, market, min(args.collect_n))
+        except Exception as e:
+            out["equality"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            traceback.print_exc()
+
+
+def rollout_equality(args, market, n: int) -> dict:
+    """The fused rollout kernel against the scan, bfloat16 network, same keys and parameters.
+
+    Near-ties of expected Q can pick different greedy actions in the two (their bf16 GEMMs sum in
+    different orders), after which an episode's paths part; so this reports the share of
+    episodes whose L actions all agree and, over those, the largest reward and portfolio
+    differences.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.training import collect
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+
+    cfg = _variant_cfg(args, "xla", "bfloat16", [f"train.num_episodes={n}"])
+    tr = _build_trainer(cfg, market)
+    env_p, length = tr.env_params["train"], cfg.env.episode_length
+    rollout = jax.jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
+        env_p, jax.random.key(args.seed))
+    agent = None
+    trajs = {}
+    for backend in ("xla", "pallas"):
+        c = _variant_cfg(args, backend, "bfloat16", [f"train.num_episodes={n}"])
+        learner = make_learner(c, c.env.branch_sizes)
+        if agent is None:
+            agent = jax.jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
+                jax.random.key(args.seed))
+        run = jax.jit(lambda a, r, k, _l=learner: collect.trajectory(
+            _l, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
+        trajs[backend] = jax.device_get(run(agent, rollout, jax.random.key(args.seed + 1)))
+    ref, got = trajs["xla"], trajs["pallas"]
+    same = np.all(ref["action"] == got["action"], axis=(0, 2))  # [N]
+    res = {"n": n, "episode_length": length, "episodes_all_actions_equal": float(same.mean()),
+           "action_mismatch_share": float(np.mean(ref["action"] != got["action"]))}
+    if same.any():
+        res["max_abs_reward_diff"] = float(np.max(np.abs(ref["reward"] - got["reward"])[:, same]))
+        res["max_abs_portfolio_diff"] = float(np.max(np.abs(
+            ref["next_obs"]["portfolio"] - got["next_obs"]["portfolio"])[:, same]))
+        res["bars_equal"] = bool(np.all(ref["next_obs"]["bar"][:, same]
+                                        == got["next_obs"]["bar"][:, same]))
+    print(f"  rollout kernel vs scan at N={n}: {res}", flush=True)
+    return res
 
 
 def section_train(args, out: dict, deadline: Deadline, market, seed_rows: list) -> None:

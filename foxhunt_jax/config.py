@@ -65,10 +65,13 @@ class NetworkConfig:
     v_min: float = -10.0
     v_max: float = 10.0
     dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
-    # the collection/inference forward: "xla" (the Flax layers) or "pallas" (one fused kernel,
-    # pallas_kernels/q_forward.py, bfloat16 only: it wins there and loses in float32 on an H200,
-    # BENCHMARKS.md; interpreted, slowly, off CUDA GPUs). Training always uses the Flax layers.
-    backend: str = "xla"
+    # collection, validation and inference: "xla" (lax.scan over the Flax layers and the jnp
+    # env step), "pallas" (Pallas kernels: the whole trading rollout in one kernel,
+    # pallas_kernels/rollout.py, and the fused Q-forward; bfloat16 only: they win there and the
+    # float32 kernel loses on an H200, BENCHMARKS.md; interpreted, slowly, off CUDA GPUs) or
+    # "auto": pallas on a CUDA GPU with bfloat16, else xla (the faster one, as measured).
+    # Training always uses the Flax layers.
+    backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -308,8 +311,9 @@ def validate(cfg: Config) -> Config:
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
     _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
            n.dtype)
-    _check(n.backend in ("xla", "pallas"), "network.backend", "must be xla or pallas", n.backend)
-    _check(n.backend == "xla" or n.dtype == "bfloat16", "network.backend",
+    _check(n.backend in ("auto", "xla", "pallas"), "network.backend",
+           "must be auto, xla or pallas", n.backend)
+    _check(n.backend != "pallas" or n.dtype == "bfloat16", "network.backend",
            "pallas needs network.dtype=bfloat16 (its float32 kernel is slower than XLA)",
            n.backend)
 

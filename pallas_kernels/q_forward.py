@@ -203,15 +203,16 @@ def _softmax_mean(logits, z, axis):
     return jnp.sum(e * z, axis=axis) / jnp.sum(e, axis=axis)
 
 
-def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
-    n_ops = len(operand_names(plan))
-    ops = dict(zip(operand_names(plan), refs[:n_ops]))
-    outs = refs[n_ops:]
-    q_ref = outs[0] if with_q else None
-    act_ref = outs[-1]
+def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None) -> list:
+    """The network on one block of rows inside a kernel -> per-branch greedy actions.
 
+    ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
+    dtype; ``ops``: operand name -> ref (:func:`operand_names`); ``z`` ``[Kp]`` f32 (zero past
+    K). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]`` (grouped,
+    -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action).
+    Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``).
+    """
     sizes = plan.chunks(plan.obs_dim)
-    xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
     for i, w in enumerate(plan.trunk):
         out_sizes = plan.chunks(w)
         hs = _dense(xs, sizes, ops[f"trunk_{i}_w"], ops[f"trunk_{i}_b"], out_sizes, cd, True)
@@ -225,10 +226,9 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
 
     hv = hidden("value_hidden")
     [v] = _dense(hv, head_sizes, ops["value_out_w"], ops["value_out_b"], (kp,), cd, False)
-    z = z_ref[...]  # [Kp], zero past K
     atom_ok = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1) < k
     neg_inf = jnp.float32(-jnp.inf)
-
+    actions = []
     for d, n in enumerate(plan.branch_sizes):
         npad = plan.actions_pad(d)
         ha = hidden(f"adv{d}_hidden")
@@ -243,9 +243,9 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
             q = _softmax_mean(logits, z[None, None, :], axis=2)  # [BM, npad]
             act_ok = jax.lax.broadcasted_iota(jnp.int32, (1, npad), 1) < n
             q = jnp.where(act_ok, q, neg_inf)
-            if with_q:
-                q_ref[:, pl.ds(plan.q_offsets[d], npad)] = q
-            act_ref[:, d] = jnp.argmax(q, axis=1).astype(jnp.int32)
+            if on_q is not None:
+                on_q(d, q)
+            actions.append(jnp.argmax(q, axis=1).astype(jnp.int32))
         else:
             advs = [_dense(ha, head_sizes, w_ref, b_ref, (kp,), cd, False, col0=a * kp)[0]
                     for a in range(n)]
@@ -257,15 +257,37 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
             for a, a_t in enumerate(advs):
                 logits = jnp.where(atom_ok, v + a_t - mean, neg_inf)
                 q = _softmax_mean(logits, z[None, :], axis=1)  # [BM]
-                if with_q:
-                    q_ref[:, plan.q_offsets[d] + a] = q
+                if on_q is not None:
+                    on_q((d, a), q)
                 if a == 0:
                     best_q, best_a = q, jnp.zeros(q.shape, jnp.int32)
                 else:  # strict '>' keeps the first of equal maxima, as jnp.argmax does
                     better = q > best_q
                     best_q = jnp.where(better, q, best_q)
                     best_a = jnp.where(better, jnp.int32(a), best_a)
-            act_ref[:, d] = best_a
+            actions.append(best_a)
+    return actions
+
+
+def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
+    n_ops = len(operand_names(plan))
+    ops = dict(zip(operand_names(plan), refs[:n_ops]))
+    outs = refs[n_ops:]
+    q_ref = outs[0] if with_q else None
+    act_ref = outs[-1]
+
+    def store_q(where, q):
+        if isinstance(where, tuple):
+            d, a = where
+            q_ref[:, plan.q_offsets[d] + a] = q
+        else:
+            q_ref[:, pl.ds(plan.q_offsets[where], plan.actions_pad(where))] = q
+
+    sizes = plan.chunks(plan.obs_dim)
+    xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
+    actions = forward_rows(plan, cd, layout, ops, xs, z_ref[...], store_q if with_q else None)
+    for d, a in enumerate(actions):
+        act_ref[:, d] = a
 
 
 # --- the public function ----------------------------------------------------------------------
@@ -384,6 +406,6 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "pack_params", "make_plan", "Plan", "KernelConfig",
+__all__ = ["fused_q_forward", "forward_rows", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
            "forward_flops"]

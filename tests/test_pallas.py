@@ -226,11 +226,24 @@ def test_explore_actions_is_epsilon_greedy(rng):
 def test_backend_config_is_validated():
     cfg = load_config(None, ["network.backend=pallas", "network.dtype=bfloat16"])
     assert (cfg.network.backend, cfg.network.dtype) == ("pallas", "bfloat16")
-    assert load_config(None).network.backend == "xla"
+    assert load_config(None).network.backend == "auto"
     with pytest.raises(ConfigError, match="network.backend"):
         load_config(None, ["network.backend=triton"])
     with pytest.raises(ConfigError, match="needs network.dtype=bfloat16"):
         load_config(None, ["network.backend=pallas"])  # float32: XLA is faster
+
+
+@pytest.mark.parametrize("platform, dtype, backend, want", [
+    ("cpu", "bfloat16", "auto", "xla"), ("gpu", "bfloat16", "auto", "pallas"),
+    ("gpu", "float32", "auto", "xla"), ("cpu", "bfloat16", "pallas", "pallas"),
+    ("gpu", "bfloat16", "xla", "xla")])
+def test_auto_backend_picks_the_faster_one(monkeypatch, platform, dtype, backend, want):
+    from foxhunt_jax.agent.learner import make_learner, resolve_backend
+
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    cfg = load_config(None, [f"network.dtype={dtype}", f"network.backend={backend}"])
+    assert resolve_backend(cfg.network) == want
+    assert make_learner(cfg, cfg.env.branch_sizes).net_cfg.backend == want
 
 
 def test_forward_flops_counts_the_ten_gemms():

@@ -17,6 +17,8 @@ A replay item must hold ``action [B] int32``, ``reward`` (the n-step return) and
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,9 +73,20 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
     net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
                    head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
     t = cfg.train
+    net_cfg = dataclasses.replace(cfg.network, backend=resolve_backend(cfg.network))
     optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
                             optax.adam(t.learning_rate, eps=t.adam_eps))
-    return Learner(net, optimizer, cfg.network, t, cfg.replay, cfg.curiosity)
+    return Learner(net, optimizer, net_cfg, t, cfg.replay, cfg.curiosity)
+
+
+def resolve_backend(net_cfg) -> str:
+    """``network.backend`` with ``"auto"`` decided: ``"pallas"`` on a CUDA GPU when the network
+    computes in bfloat16 (the kernels win there, BENCHMARKS.md), else ``"xla"`` (the float32
+    kernel loses to XLA on a GPU, and off a GPU the kernels only run interpreted)."""
+    if net_cfg.backend != "auto":
+        return net_cfg.backend
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    return "pallas" if on_gpu and net_cfg.dtype == "bfloat16" else "xla"
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
@@ -90,11 +103,18 @@ def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
 
 def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
                     discount) -> jax.Array:
-    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s')."""
-    apply = learner.network.apply
-    online_s = apply(params, obs)
-    online_next = apply(params, next_obs)
-    target_next = apply(target_params, next_obs)
+    """C51 double-Q loss per sample [M] from three forwards: online at s, online at s', target
+    at s'.
+
+    The three run as one forward vmapped over stacked parameters and inputs, so each layer is
+    one batched GEMM instead of three GEMMs: at small batches a learner step is bound by the
+    number of kernels it launches, not by arithmetic. Gradients reach ``params`` through the
+    first slot only (the loss uses the online s' logits through an argmax alone).
+    """
+    stacked = jax.tree.map(lambda p, q: jnp.stack([p, jax.lax.stop_gradient(p), q]), params,
+                           target_params)
+    logits = jax.vmap(learner.network.apply)(stacked, jnp.stack([obs, next_obs, next_obs]))
+    online_s, online_next, target_next = (tuple(l[i] for l in logits) for i in range(3))
     return c51_double_q_loss(online_s, online_next, target_next, action, returns, discount,
                              learner.support)
 

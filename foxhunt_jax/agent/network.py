@@ -128,22 +128,34 @@ def greedy_actions(logits: Sequence[jax.Array], z: jax.Array) -> jax.Array:
     return jnp.stack(acts, axis=-1)
 
 
-def explore_actions(key: jax.Array, greedy: jax.Array, branch_sizes: Sequence[int],
-                    epsilon) -> jax.Array:
-    """Per-branch epsilon-greedy: ``greedy [N, B]`` int32 -> actions ``[N, B]`` int32.
+def explore_draws(key: jax.Array, num_rows: int, branch_sizes: Sequence[int],
+                  epsilon) -> jax.Array:
+    """The random part of per-branch epsilon-greedy: ``[N, B]`` int32, ``-1`` where a branch
+    keeps its greedy action, else the uniform random action it takes instead.
 
-    Each branch of each row independently takes a uniform random action with probability
-    ``epsilon``. Keys: ``split(key, 2B)``; branch d draws its random action from key ``2d`` and
-    its explore coin from key ``2d + 1``.
+    Each branch of each row independently explores with probability ``epsilon``. Keys:
+    ``split(key, 2B)``; branch d draws its random action from key ``2d`` and its explore coin
+    from key ``2d + 1``.
     """
-    n = greedy.shape[0]
     keys = jax.random.split(key, 2 * len(branch_sizes))
     cols = []
     for d, n_d in enumerate(branch_sizes):
-        rand = jax.random.randint(keys[2 * d], (n,), 0, n_d, jnp.int32)
-        explore = jax.random.uniform(keys[2 * d + 1], (n,)) < epsilon
-        cols.append(jnp.where(explore, rand, greedy[:, d]))
+        rand = jax.random.randint(keys[2 * d], (num_rows,), 0, n_d, jnp.int32)
+        explore = jax.random.uniform(keys[2 * d + 1], (num_rows,)) < epsilon
+        cols.append(jnp.where(explore, rand, -1))
     return jnp.stack(cols, axis=-1)
+
+
+def apply_draws(draws: jax.Array, greedy: jax.Array) -> jax.Array:
+    """Actions from :func:`explore_draws` ``[..., B]`` and greedy actions ``[..., B]``."""
+    return jnp.where(draws >= 0, draws, greedy)
+
+
+def explore_actions(key: jax.Array, greedy: jax.Array, branch_sizes: Sequence[int],
+                    epsilon) -> jax.Array:
+    """Per-branch epsilon-greedy: ``greedy [N, B]`` int32 -> actions ``[N, B]`` int32
+    (:func:`explore_draws` applied to ``greedy``)."""
+    return apply_draws(explore_draws(key, greedy.shape[0], branch_sizes, epsilon), greedy)
 
 
 BACKENDS = ("xla", "pallas")
@@ -216,4 +228,4 @@ def param_count(params: Any) -> int:
 
 
 __all__ = ["QNetwork", "make_network", "init_params", "support", "expected_q", "greedy_actions",
-           "explore_actions", "q_forward", "BACKENDS", "flatten_params", "param_count"]
+           "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS", "flatten_params", "param_count"]

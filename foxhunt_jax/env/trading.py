@@ -122,8 +122,15 @@ def num_branches(params: EnvParams) -> int:
 # Observation
 
 
-def portfolio_obs(state: EnvState, params: EnvParams) -> jax.Array:
-    """[P] = [exposure, unrealized / equity, time_in_trade / H, tp dist, sl dist, log equity]."""
+def portfolio_features(state: EnvState, params: EnvParams) -> tuple[jax.Array, ...]:
+    """The P portfolio numbers of :func:`portfolio_obs` as a tuple of arrays shaped like the
+    state's fields: [exposure, unrealized / equity, time_in_trade / H, tp dist, sl dist,
+    log equity].
+
+    Elementwise over any batch shape of ``state``; the ``params`` tables are only indexed
+    (``params.close[bar]``), so the fused rollout kernel calls this same function with Pallas
+    refs in place of the tables.
+    """
     c = params.close[state.bar]
     s = params.sigma[state.bar]
     open_ = state.units != 0
@@ -132,16 +139,20 @@ def portfolio_obs(state: EnvState, params: EnvParams) -> jax.Array:
 
     def dist(level):
         # a disabled level is 0 or +inf, a cleared one 0: both give 0
-        ok = open_ & (level > 0) & jnp.isfinite(level)
+        ok = open_ & (level > 0) & (level < jnp.inf)
         # log1p of the (exact, nearby-float) difference keeps precision when level ~ c
         d = jnp.log1p((jnp.where(ok, level, c) - c) / c) / s
         return jnp.where(ok, jnp.clip(d, -OBS_CLIP, OBS_CLIP), 0.0)
 
-    return jnp.stack([
-        state.exposure, unreal,
-        state.time_in_trade.astype(jnp.float32) / params.time_barrier,
-        dist(state.tp_price), dist(state.sl_price), jnp.log(eq),
-    ]).astype(jnp.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return (f32(state.exposure), f32(unreal),
+            state.time_in_trade.astype(jnp.float32) / params.time_barrier,
+            f32(dist(state.tp_price)), f32(dist(state.sl_price)), f32(jnp.log(eq)))
+
+
+def portfolio_obs(state: EnvState, params: EnvParams) -> jax.Array:
+    """[P] = [exposure, unrealized / equity, time_in_trade / H, tp dist, sl dist, log equity]."""
+    return jnp.stack(portfolio_features(state, params), axis=-1)
 
 
 def obs_from(bar: jax.Array, portfolio: jax.Array, params: EnvParams) -> jax.Array:
@@ -179,10 +190,15 @@ def reset_at(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
     return observation(state, params), state
 
 
+def start_bar(key: jax.Array, params: EnvParams) -> jax.Array:
+    """A uniformly drawn valid start bar of the split (int32 [])."""
+    i = jax.random.randint(key, (), 0, params.starts.shape[0])
+    return params.starts[i]
+
+
 def reset(key: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
     """A fresh episode at a uniformly drawn valid start of the split."""
-    i = jax.random.randint(key, (), 0, params.starts.shape[0])
-    return reset_at(params.starts[i], params)
+    return reset_at(start_bar(key, params), params)
 
 
 def _barrier_levels(c, s, e_new, a_tp, a_sl, params: EnvParams):
@@ -207,18 +223,22 @@ def _barrier_levels(c, s, e_new, a_tp, a_sl, params: EnvParams):
     return tp.astype(jnp.float32), sl.astype(jnp.float32)
 
 
-def step_env(key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams):
-    """One step from bar t, no auto-reset.
+def advance(state: EnvState, actions: tuple, params: EnvParams):
+    """One step from bar t, no auto-reset, elementwise over any batch shape of ``state``.
 
-    action [B] int32 -> (obs [D], state, reward [], terminated [], truncated [], info).
-    info: equity, cost, traded (bool), exit_price (0 when no barrier exit), barrier (int32).
+    ``actions``: one int32 array per branch, shaped like the state's fields.
+    Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool),
+    exit_price (0 when no barrier exit), barrier (int32).
+
+    This is the single definition of the step's rules: :func:`step_env` calls it for one episode
+    and the fused rollout kernel (``pallas_kernels/rollout.py``) for a block of episodes, with
+    Pallas refs in place of the ``params`` tables (only indexing touches them).
     """
-    del key  # the step is deterministic
     t = state.bar
     c, s = params.close[t], params.sigma[t]
-    a_tp = action[1] if params.has_take_profit else 0
-    a_sl = action[1 + int(params.has_take_profit)] if params.has_stop_loss else 0
-    e, e_new = state.exposure, params.exposures[action[0]]
+    a_tp = actions[1] if params.has_take_profit else 0
+    a_sl = actions[1 + int(params.has_take_profit)] if params.has_stop_loss else 0
+    e, e_new = state.exposure, params.exposures[actions[0]]
 
     # 1. trade at close[t]
     equity_t = state.cash + state.units * c
@@ -275,7 +295,18 @@ def step_env(key: jax.Array, state: EnvState, action: jax.Array, params: EnvPara
                          sl_price=f32(sl), time_in_trade=tit.astype(jnp.int32))
     info = {"equity": f32(equity), "cost": f32(trade_cost + exit_cost), "traded": traded,
             "exit_price": f32(exit_price), "barrier": barrier.astype(jnp.int32)}
-    return (observation(new_state, params), new_state, f32(reward), terminated, truncated, info)
+    return new_state, f32(reward), terminated, truncated, info
+
+
+def step_env(key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams):
+    """One step of one episode from bar t, no auto-reset (:func:`advance`).
+
+    action [B] int32 -> (obs [D], state, reward [], terminated [], truncated [], info).
+    """
+    del key  # the step is deterministic
+    actions = tuple(action[..., i] for i in range(action.shape[-1]))
+    new_state, reward, terminated, truncated, info = advance(state, actions, params)
+    return observation(new_state, params), new_state, reward, terminated, truncated, info
 
 
 def step(key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams):
@@ -340,8 +371,8 @@ def rollout(key: jax.Array, params: EnvParams, policy_fn: Callable, num_episodes
 
 
 __all__ = [
-    "EnvParams", "EnvState", "make_params", "reset", "reset_at", "step_env", "step",
-    "observation", "portfolio_obs", "obs_from", "obs_dim", "branch_sizes", "num_branches",
+    "EnvParams", "EnvState", "make_params", "reset", "reset_at", "start_bar", "step_env",
+    "advance", "step", "observation", "portfolio_obs", "portfolio_features", "obs_from", "obs_dim", "branch_sizes", "num_branches",
     "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
     "STOP_LOSS", "TIME",
 ]

@@ -1,11 +1,17 @@
 """Experience collection: ``lax.scan`` over L timesteps with N episodes batched.
 
 Per timestep (DESIGN 2): Q-forward [N, D] -> per-branch epsilon-greedy actions [N, B] with
-per-step keys -> env step (vmapped) -> curiosity bonus -> auto-reset of finished episodes.
-After the scan, n-step returns are formed over the [L, N] trajectory, each transition's initial
-priority is its C51 loss under the current online and target networks (the learner's own loss
-function, so priorities and training agree), and the L * N transitions go into the replay
-buffer. The whole phase is one jitted call with no host round trip.
+per-step keys -> env step (vmapped) -> auto-reset of finished episodes (:func:`trajectory`).
+After the scan, the curiosity bonus of every next observation is computed in one batched pass
+(it depends only on the observation and the fixed RND networks, not on the actions, so nothing
+in the loop waits for it), n-step returns are formed over the [L, N] trajectory, each
+transition's initial priority is its C51 loss under the current online and target networks (the
+learner's own loss function, so priorities and training agree), and the L * N transitions go
+into the replay buffer. The whole phase is one jitted call with no host round trip.
+
+With ``network.backend=pallas`` an adapter that provides ``fused`` (the trading env:
+:mod:`foxhunt_jax.training.fused`) replaces the scan by one Pallas kernel over all timesteps,
+fed with the same per-step random draws, so both backends give the same trajectory.
 
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
 gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
@@ -37,15 +43,18 @@ class EnvAdapter:
         (no auto-reset; obs/state are those after the step, before any reset)
     encode(obs [D], state) -> enc (what the replay buffer stores for an observation)
     decode(enc [M, ...], params) -> obs [M, D]
+    fused (optional): a kernel backend of :func:`trajectory`, same arguments and result, used
+        when ``network.backend`` is ``"pallas"``
     """
 
     reset: Callable
     step_env: Callable
     encode: Callable
     decode: Callable
+    fused: Callable | None = None
 
     def __hash__(self):
-        return hash((self.reset, self.step_env, self.encode, self.decode))
+        return hash((self.reset, self.step_env, self.encode, self.decode, self.fused))
 
 
 @jax.tree_util.register_dataclass
@@ -141,9 +150,23 @@ def collect_shards(learner: Learner, adapter: EnvAdapter, env_params, agent: Age
     return rollouts, items, priorities, rnd, stats
 
 
-def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
-             rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
-    """:func:`collect` with the raw novelty ``[L*N]`` returned instead of the updated RND state."""
+def step_keys(key: jax.Array, num_steps: int) -> jax.Array:
+    """``[L, 3]`` keys: step t explores with ``[t, 0]``, steps the env with ``[t, 1]`` and draws
+    its resets from ``[t, 2]`` (split over the N episodes)."""
+    return jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.split(key, num_steps))
+
+
+def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, rollout: Rollout,
+               key: jax.Array, epsilon, num_steps: int):
+    """``num_steps`` epsilon-greedy steps of every episode, with auto-reset.
+
+    Returns ``(rollout, traj)``; ``traj`` holds ``[L, N, ...]`` arrays: ``obs`` and ``next_obs``
+    (the adapter's encodings of the observation acted on and of the one after the step, before
+    any reset), ``action [L, N, B]``, ``reward`` (extrinsic), ``terminated``, ``truncated``.
+    """
+    keys = step_keys(key, num_steps)
+    if learner.net_cfg.backend == "pallas" and adapter.fused is not None:
+        return adapter.fused(learner, env_params, agent_params, rollout, keys, epsilon, num_steps)
     net, support = learner.network, learner.support
     n = rollout.obs.shape[0]
     step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
@@ -151,31 +174,47 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     encode_v = jax.vmap(adapter.encode)
 
     def body(carry: Rollout, k):
-        k_act, k_step, k_reset = jax.random.split(k, 3)
-        _, greedy = q_forward(agent.params, carry.obs, net, support, learner.net_cfg.backend)
+        k_act, k_step, k_reset = k
+        _, greedy = q_forward(agent_params, carry.obs, net, support, learner.net_cfg.backend)
         action = explore_actions(k_act, greedy, net.branch_sizes, epsilon)
         obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n), carry.env_state,
                                                      action, env_params)
-        raw = bonus = jnp.zeros_like(reward)
-        if agent.rnd is not None:  # novelty of the next observation, scaled by stats before this call
-            raw = curiosity.prediction_error(agent.rnd, obs2)
-            bonus = curiosity.scale_bonus(agent.rnd, raw)
         out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
-               "action": action, "reward": reward + bonus, "extrinsic": reward, "bonus": bonus,
-               "terminated": term, "truncated": trunc, "novelty": raw}
+               "action": action, "reward": reward, "terminated": term, "truncated": trunc}
         obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
         done = term | trunc
         return Rollout(env_state=_where(done, state_r, state2), obs=jnp.where(done[:, None], obs_r, obs2)), out
 
-    rollout, traj = jax.lax.scan(body, rollout, jax.random.split(key, num_steps))
+    return jax.lax.scan(body, rollout, keys)
+
+
+def novelty(adapter: EnvAdapter, env_params, rnd, enc) -> jax.Array:
+    """Raw RND prediction error of encoded observations ``enc [L, N, ...]`` -> ``[L, N]``,
+    computed ``PRIORITY_CHUNK`` rows at a time."""
+    lead = jax.tree.leaves(enc)[0].shape[:2]
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), enc)
+    err = lambda e: curiosity.prediction_error(rnd, adapter.decode(e, env_params))  # noqa: E731
+    return chunked(err, flat, PRIORITY_CHUNK).reshape(lead)
+
+
+def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
+             rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
+    """:func:`collect` with the raw novelty ``[L*N]`` returned instead of the updated RND state."""
+    rollout, traj = trajectory(learner, adapter, env_params, agent.params, rollout, key, epsilon,
+                               num_steps)
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    extrinsic = traj["reward"]
+    raw = bonus = jnp.zeros_like(extrinsic)
+    if agent.rnd is not None:  # novelty of each next observation, scaled by stats before this call
+        raw = novelty(adapter, env_params, agent.rnd, traj["next_obs"])
+        bonus = curiosity.scale_bonus(agent.rnd, raw)
     t = learner.train_cfg
-    returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
+    returns, discounts, offsets = n_step_targets(extrinsic + bonus, traj["terminated"],
                                                  traj["truncated"], t.gamma, t.n_step)
     # bootstrap observation of transition t: next_obs of step t + k - 1, per episode
     rows = jnp.arange(num_steps)[:, None] + offsets - 1
     next_enc = jax.tree.map(lambda x: jnp.take_along_axis(
         x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0), traj["next_obs"])
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])
     items = {"obs": jax.tree.map(flat, traj["obs"]), "next_obs": jax.tree.map(flat, next_enc),
              "action": flat(traj["action"]), "reward": flat(returns), "discount": flat(discounts)}
 
@@ -186,8 +225,7 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
                                it["action"], it["reward"], it["discount"])
 
     priorities = chunked(loss_of, items, PRIORITY_CHUNK)
-    stats = {"reward": jnp.mean(traj["extrinsic"]), "bonus": jnp.mean(traj["bonus"]),
+    stats = {"reward": jnp.mean(extrinsic), "bonus": jnp.mean(bonus),
              "episodes_done": jnp.sum(traj["terminated"] | traj["truncated"]),
              "terminated": jnp.sum(traj["terminated"])}
-    return rollout, items, priorities, flat(traj["novelty"]), stats
-
+    return rollout, items, priorities, flat(raw), stats

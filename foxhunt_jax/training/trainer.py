@@ -32,7 +32,7 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
-from foxhunt_jax.training import validate
+from foxhunt_jax.training import fused, validate
 from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
 from foxhunt_jax.training.metrics import trading_metrics
 
@@ -42,7 +42,8 @@ _P = trading.PORTFOLIO_DIM
 # A transition stores the bar index and the 6 portfolio numbers, not the whole observation: the
 # feature row is gathered again at sample time (docs/replay.md gives the bytes saved).
 TRADING_ADAPTER = EnvAdapter(reset=trading.reset, step_env=trading.step_env,
-                             encode=trading.encode, decode=trading.decode)
+                             encode=trading.encode, decode=trading.decode,
+                             fused=fused.collect_trajectory)
 
 
 @struct.dataclass
@@ -122,9 +123,8 @@ def training_phase(learner: Learner, cfg: Config, env_params, state: TrainerStat
 
 
 def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: AgentState):
-    policy = validate.greedy_policy(learner, agent.params)
-    traj = validate.policy_rollout(env_params, starts, cfg.env.episode_length, policy,
-                                   jax.random.key(0))
+    traj = validate.greedy_rollout(learner, agent.params, env_params, starts,
+                                   cfg.env.episode_length, jax.random.key(0))
     loss = validate.validation_loss(learner, agent.params, agent.target_params, env_params, traj)
     return {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}, loss
 
@@ -307,8 +307,7 @@ class Trainer:
 
         @jax.jit
         def run(env_p, net_params, key):
-            greedy = validate.greedy_policy(lr, net_params)
-            return validate.policy_rollout(env_p, starts_d, steps, greedy, key, lengths_d)
+            return validate.greedy_rollout(lr, net_params, env_p, starts_d, steps, key, lengths_d)
 
         @jax.jit
         def run_random(env_p, key):

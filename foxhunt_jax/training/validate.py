@@ -65,15 +65,9 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
         action = policy(k_pol, obs, state)
         obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
                                                         env_params)
+        out = _record(env_params, t, lengths, alive, state.bar, obs[:, -p:], state2.bar,
+                      obs2[:, -p:], action, reward, term, trunc, info["equity"], info["traded"])
         keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-        out = {"bar": state.bar, "portfolio": obs[:, -p:],
-               "next_bar": state2.bar, "next_portfolio": obs2[:, -p:],
-               "action": action, "reward": jnp.where(alive, reward, 0.0),
-               "terminated": term & alive, "truncated": (trunc | (t + 1 >= lengths)) & alive,
-               "equity": jnp.where(alive, info["equity"], jnp.nan),
-               # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
-               "exposure": jnp.where(alive, env_params.exposures[action[:, 0]], 0.0),
-               "traded": info["traded"] & alive, "alive": alive}
         state2 = jax.tree.map(keep, state2, state)
         obs2 = keep(obs2, obs)
         return (obs2, state2, alive & ~term), out
@@ -84,6 +78,20 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
     return traj
 
 
+def _record(env_params, t, lengths, alive, bar, portfolio, next_bar, next_portfolio, action,
+            reward, terminated, truncated, equity, traded) -> dict:
+    """One step's record of :func:`policy_rollout`, masked by ``alive`` (any batch shape: [W]
+    inside the scan, [L, W] for the fused kernel's raw results)."""
+    return {"bar": bar, "portfolio": portfolio, "next_bar": next_bar,
+            "next_portfolio": next_portfolio, "action": action,
+            "reward": jnp.where(alive, reward, 0.0), "terminated": terminated & alive,
+            "truncated": (truncated | (t + 1 >= lengths)) & alive,
+            "equity": jnp.where(alive, equity, jnp.nan),
+            # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
+            "exposure": jnp.where(alive, env_params.exposures[action[..., 0]], 0.0),
+            "traded": traded & alive, "alive": alive}
+
+
 def greedy_policy(learner: Learner, params):
     """The agent's greedy actions (highest expected Q per branch); ignores key and state."""
     def policy(key, obs, state):
@@ -91,6 +99,24 @@ def greedy_policy(learner: Learner, params):
         return q_forward(params, obs, learner.network, learner.support,
                          learner.net_cfg.backend)[1]
     return policy
+
+
+def greedy_rollout(learner: Learner, params, env_params, starts: jax.Array, num_steps: int,
+                   key: jax.Array, lengths: jax.Array | None = None):
+    """:func:`policy_rollout` of the agent's :func:`greedy_policy`; with
+    ``network.backend=pallas`` the whole rollout is one kernel (:mod:`foxhunt_jax.training.fused`,
+    tested equal)."""
+    if learner.net_cfg.backend != "pallas":
+        return policy_rollout(env_params, starts, num_steps, greedy_policy(learner, params), key,
+                              lengths)
+    from foxhunt_jax.training.fused import evaluate_trajectory
+
+    w = starts.shape[0]
+    lengths = jnp.full((w,), num_steps, jnp.int32) if lengths is None else jnp.asarray(lengths)
+    raw = evaluate_trajectory(learner, params, env_params, starts, num_steps, lengths)
+    return _record(env_params, raw["step"], lengths, raw["alive"], raw["bar"], raw["portfolio"],
+                   raw["next_bar"], raw["next_portfolio"], raw["action"], raw["reward"],
+                   raw["terminated"], raw["truncated"], raw["equity"], raw["traded"])
 
 
 def random_policy(branch_sizes):

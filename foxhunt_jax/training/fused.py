@@ -1,0 +1,56 @@
+"""The Pallas backend of the trading env's rollouts: collection and greedy evaluation.
+
+With ``network.backend=pallas``, :func:`foxhunt_jax.training.collect.trajectory` and
+:func:`foxhunt_jax.training.validate.greedy_rollout` run their whole timestep loop in one kernel
+(:func:`pallas_kernels.rollout.fused_rollout`) instead of a ``lax.scan`` that launches several
+kernels per step. This module only adapts arguments and results: the random draws come from the
+same keys and functions as in the scan (``collect.step_keys``, ``explore_draws``,
+``trading.start_bar``) and the results have the scan's layout, so the two backends are
+interchangeable and tested equal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from foxhunt_jax.agent.network import explore_draws
+from foxhunt_jax.env import trading
+
+
+def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Array, epsilon,
+                       num_steps: int):
+    """The ``fused`` backend of :func:`foxhunt_jax.training.collect.trajectory` for the trading
+    env; ``keys [L, 3]`` are :func:`~foxhunt_jax.training.collect.step_keys`."""
+    from foxhunt_jax.training.collect import Rollout
+    from pallas_kernels.rollout import fused_rollout, portfolio
+
+    net = learner.network
+    n = rollout.obs.shape[0]
+    draws = jax.vmap(lambda k: explore_draws(k, n, net.branch_sizes, epsilon))(keys[:, 0])
+    start_v = jax.vmap(trading.start_bar, in_axes=(0, None))
+    reset_bars = jax.vmap(lambda k: start_v(jax.random.split(k, n), env_params))(keys[:, 2])
+    out, end = fused_rollout(agent_params, net, learner.support, env_params, rollout.env_state,
+                             num_steps, mode="collect", draws=draws, reset_bars=reset_bars)
+    traj = {"obs": {"bar": out["bar"], "portfolio": portfolio(out)},
+            "next_obs": {"bar": out["next_bar"], "portfolio": portfolio(out, "next_portfolio")},
+            "action": out["action"], "reward": out["reward"], "terminated": out["terminated"],
+            "truncated": out["truncated"]}
+    obs = jax.vmap(trading.observation, in_axes=(0, None))(end, env_params)
+    return Rollout(env_state=end, obs=obs), traj
+
+
+def evaluate_trajectory(learner, agent_params, env_params, starts: jax.Array, num_steps: int,
+                        lengths: jax.Array | None = None) -> dict:
+    """Greedy episodes from ``starts [W]`` without reset, as raw ``[L, W]`` step results
+    (:func:`pallas_kernels.rollout.fused_rollout` in ``evaluate`` mode); the caller masks them."""
+    from pallas_kernels.rollout import fused_rollout, portfolio
+
+    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
+    out, _ = fused_rollout(agent_params, learner.network, learner.support, env_params, state,
+                           num_steps, mode="evaluate", lengths=lengths)
+    return dict(out, portfolio=portfolio(out), next_portfolio=portfolio(out, "next_portfolio"),
+                step=jnp.arange(num_steps, dtype=jnp.int32)[:, None])
+
+
+__all__ = ["collect_trajectory", "evaluate_trajectory"]

@@ -1,0 +1,252 @@
+"""Fused rollout: every timestep of a block of trading episodes in one Pallas kernel.
+
+This is an execution backend of the collection loop (``training/collect.py``) and of the greedy
+validation loop (``training/validate.py``) for the trading env. A ``lax.scan`` over L timesteps
+launches the forward, the exploration select and the env step as separate kernels every step,
+and at small N each step costs its launch latency, not its arithmetic (BENCHMARKS.md). Here each
+program takes a block of ``BM`` episodes, keeps their state in registers and runs
+
+    for t in range(L):
+        obs = features[bar] ++ portfolio_features(state)      (gathered in the kernel)
+        greedy = QNetwork forward (forward_rows of q_forward.py, activations on chip)
+        action = greedy, or the pre-drawn random action where the branch explores
+        state, reward, ... = trading.advance(state, action)   (the env's own step function)
+        write the transition; reset finished episodes (collect) or freeze them (evaluate)
+
+with one launch for the whole rollout. The env rules are not restated here: the kernel calls
+:func:`foxhunt_jax.env.trading.advance` and :func:`~foxhunt_jax.env.trading.portfolio_features`
+with Pallas refs in place of the price tables, so the step has one definition.
+
+Randomness is drawn outside, by the same functions and keys the scan uses
+(:func:`foxhunt_jax.agent.network.explore_draws`, :func:`foxhunt_jax.env.trading.start_bar`),
+so both backends see the same exploration and reset draws; the tests require equal
+trajectories.
+
+Shapes: ``N`` episodes, ``L`` timesteps, ``B`` branches, ``P`` = 6 portfolio features; the
+per-step outputs are ``[L, C, N]`` so every store is a contiguous row of ``BM`` values.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from foxhunt_jax.env import trading
+from pallas_kernels.q_forward import (_DTYPES, _offsets, _on_cuda, KernelConfig, block_rows_for,
+                                      default_config, forward_rows, make_plan, operand_names,
+                                      pack_params)
+
+P = trading.PORTFOLIO_DIM
+STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl_price")
+STATE_I = ("bar", "step", "time_in_trade")
+# per-step outputs: float channels, then int32 channels followed by the B actions
+OUT_F = tuple(f"portfolio{j}" for j in range(P)) + tuple(f"next_portfolio{j}" for j in range(P)) \
+    + ("reward", "equity")
+OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "alive")
+MODES = ("collect", "evaluate")
+_TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", "stop_loss")
+_SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale")
+
+
+def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
+            env_static: dict, *refs):
+    n_ops = len(operand_names(plan))
+    it = iter(refs)
+    feat_ref, z_ref, scal_ref = next(it), next(it), next(it)
+    tables = {name: next(it) for name in _TABLES}
+    st_f_ref, st_i_ref = next(it), next(it)
+    draws_ref = next(it) if explore else None
+    resets_ref = next(it) if mode == "collect" else None
+    lengths_ref = next(it) if mode == "evaluate" else None
+    ops = dict(zip(operand_names(plan), [next(it) for _ in range(n_ops)]))
+    out_f_ref, out_i_ref, end_f_ref, end_i_ref = next(it), next(it), next(it), next(it)
+
+    scal = {name: scal_ref[i] for i, name in enumerate(_SCALARS)}
+    # EnvParams with refs for the tables: advance / portfolio_features only index them
+    params = trading.EnvParams(features=None, starts=None, **tables, **scal, **env_static)
+    z = z_ref[...]
+    sizes = plan.chunks(plan.obs_dim)
+    n_feat = plan.obs_dim - P
+
+    def observe(state):
+        port = trading.portfolio_features(state, params)
+        xs = []
+        for o, c in zip(_offsets(sizes), sizes):
+            x = feat_ref[state.bar, pl.ds(o, c)]  # gather [BM, c]; the table is zero past F
+            col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) + o
+            for j in range(P):
+                if o <= n_feat + j < o + c:
+                    x = x + jnp.where(col == n_feat + j, port[j][:, None], 0.0)
+            xs.append(x.astype(cd))
+        return port, xs
+
+    def body(t, carry):
+        state, alive = carry
+        port, xs = observe(state)
+        actions = forward_rows(plan, cd, layout, ops, xs, z)
+        if explore:
+            actions = [jnp.where(r >= 0, r, a) for r, a in
+                       ((draws_ref[t, d, :], a) for d, a in enumerate(actions))]
+        new, reward, term, trunc, info = trading.advance(state, tuple(actions), params)
+        next_port = trading.portfolio_features(new, params)
+        if mode == "evaluate":
+            alive = alive & (t < lengths_ref[...])
+        for j in range(P):
+            out_f_ref[t, j, :] = port[j]
+            out_f_ref[t, P + j, :] = next_port[j]
+        out_f_ref[t, 2 * P, :] = reward
+        out_f_ref[t, 2 * P + 1, :] = info["equity"]
+        ints = (state.bar, new.bar, term, trunc, info["traded"], alive)
+        for c, v in enumerate(ints):
+            out_i_ref[t, c, :] = v.astype(jnp.int32)
+        for d, a in enumerate(actions):
+            out_i_ref[t, len(OUT_I) + d, :] = a
+        if mode == "collect":  # auto-reset at a pre-drawn start bar
+            done = term | trunc
+            fresh = trading.EnvState(
+                bar=resets_ref[t, :], step=jnp.zeros_like(new.step),
+                equity=jnp.ones_like(new.equity), cash=jnp.ones_like(new.cash),
+                units=jnp.zeros_like(new.units), exposure=jnp.zeros_like(new.exposure),
+                entry_price=jnp.zeros_like(new.entry_price), tp_price=jnp.zeros_like(new.tp_price),
+                sl_price=jnp.zeros_like(new.sl_price),
+                time_in_trade=jnp.zeros_like(new.time_in_trade))
+            state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, new)
+        else:  # finished or past its length: frozen
+            state = jax.tree.map(lambda a, b: jnp.where(alive, a, b), new, state)
+            alive = alive & ~term
+        return state, alive
+
+    fields = {name: st_f_ref[i, :] for i, name in enumerate(STATE_F)}
+    fields.update({name: st_i_ref[i, :] for i, name in enumerate(STATE_I)})
+    state0 = trading.EnvState(**fields)
+    alive0 = jnp.ones(state0.bar.shape, jnp.bool_)
+    state, _ = jax.lax.fori_loop(0, num_steps, body, (state0, alive0))
+    for i, name in enumerate(STATE_F):
+        end_f_ref[i, :] = getattr(state, name)
+    for i, name in enumerate(STATE_I):
+        end_i_ref[i, :] = getattr(state, name)
+
+
+def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
+    """Pads the last axis to ``cols`` with copies of column 0 (harmless, dropped afterwards)."""
+    extra = cols - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.concatenate([x, jnp.broadcast_to(x[..., :1], x.shape[:-1] + (extra,))], axis=-1)
+
+
+def fused_rollout(params: Any, network, support: jax.Array, env_params, state, num_steps: int,
+                  *, mode: str = "collect", draws: jax.Array | None = None,
+                  reset_bars: jax.Array | None = None, lengths: jax.Array | None = None,
+                  config: KernelConfig | None = None, interpret: bool | None = None):
+    """``num_steps`` steps of N trading episodes under the network's (epsilon-)greedy policy.
+
+    Args:
+      params, network, support: the ``QNetwork``, its parameters and the ``[K]`` atom values.
+      env_params: :class:`~foxhunt_jax.env.trading.EnvParams` of the split.
+      state: the batched ``EnvState`` (fields ``[N]``) the rollout starts from.
+      mode: ``"collect"``: finished episodes restart at ``reset_bars [L, N]`` (int32 start
+        bars); ``"evaluate"``: episode n runs ``lengths[n]`` steps (default L) or until ruin,
+        then stays frozen (``alive`` False).
+      draws: ``[L, N, B]`` int32 from :func:`~foxhunt_jax.agent.network.explore_draws` (-1 =
+        greedy), or None for the greedy policy.
+    Returns:
+      ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
+      ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them);
+      ``end_state`` is the ``EnvState`` after the last step.
+    """
+    if mode not in MODES:
+        raise ValueError(f"fused_rollout: mode must be one of {MODES}, got {mode!r}")
+    if (mode == "collect") != (reset_bars is not None):
+        raise ValueError("fused_rollout: reset_bars are required in collect mode and only there")
+    if config is None:
+        config = default_config(network.dtype)
+    n = state.bar.shape[0]
+    dim = trading.obs_dim(env_params)
+    plan = make_plan(network, dim)
+    cd = _DTYPES[network.dtype]
+    nb = len(plan.branch_sizes)
+    bm = block_rows_for(n, config)
+    rows = -(-n // bm) * bm
+    L = int(num_steps)
+
+    feat = jnp.asarray(env_params.features, jnp.float32)
+    feat = jnp.pad(feat, ((0, 0), (0, plan.padded(dim) - feat.shape[1])))
+    z = jnp.pad(jnp.asarray(support, jnp.float32), (0, plan.atoms_pad - plan.atoms))
+    scal = jnp.stack([jnp.asarray(getattr(env_params, s), jnp.float32) for s in _SCALARS])
+    # an empty barrier table is never indexed (has_take_profit / has_stop_loss are static)
+    tables = [getattr(env_params, t) if getattr(env_params, t).shape[0] else
+              jnp.zeros((1,), jnp.float32) for t in _TABLES]
+    st_f = _pad_cols(jnp.stack([getattr(state, s).astype(jnp.float32) for s in STATE_F]), rows)
+    st_i = _pad_cols(jnp.stack([getattr(state, s).astype(jnp.int32) for s in STATE_I]), rows)
+    packed = pack_params(params, plan, network.dtype)
+    operands = [packed[k] for k in operand_names(plan)]
+
+    full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)  # noqa: E731
+    cols = lambda k: pl.BlockSpec((k, bm), lambda i: (0, i))  # noqa: E731
+    inputs = [feat, z, scal] + tables + [st_f, st_i]
+    specs = [full(feat), full(z), full(scal)] + [full(a) for a in tables]
+    specs += [cols(len(STATE_F)), cols(len(STATE_I))]
+    if draws is not None:
+        inputs.append(_pad_cols(jnp.transpose(draws.astype(jnp.int32), (0, 2, 1)), rows))
+        specs.append(pl.BlockSpec((L, nb, bm), lambda i: (0, 0, i)))
+    if mode == "collect":
+        inputs.append(_pad_cols(reset_bars.astype(jnp.int32), rows))
+        specs.append(pl.BlockSpec((L, bm), lambda i: (0, i)))
+    else:
+        lens = jnp.full((n,), L, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        inputs.append(_pad_cols(lens, rows))
+        specs.append(pl.BlockSpec((bm,), lambda i: (i,)))
+    inputs += operands
+    specs += [full(a) for a in operands]
+
+    n_i = len(OUT_I) + nb
+    out_shape = (jax.ShapeDtypeStruct((L, len(OUT_F), rows), jnp.float32),
+                 jax.ShapeDtypeStruct((L, n_i, rows), jnp.int32),
+                 jax.ShapeDtypeStruct((len(STATE_F), rows), jnp.float32),
+                 jax.ShapeDtypeStruct((len(STATE_I), rows), jnp.int32))
+    out_specs = (pl.BlockSpec((L, len(OUT_F), bm), lambda i: (0, 0, i)),
+                 pl.BlockSpec((L, n_i, bm), lambda i: (0, 0, i)),
+                 cols(len(STATE_F)), cols(len(STATE_I)))
+
+    if interpret is None:
+        interpret = not _on_cuda()
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        warps = min(config.num_warps, max(4, bm // 8))
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
+                                                           num_stages=config.num_stages)
+    env_static = {"episode_length": env_params.episode_length,
+                  "time_barrier": env_params.time_barrier,
+                  "has_take_profit": env_params.has_take_profit,
+                  "has_stop_loss": env_params.has_stop_loss}
+    kernel = functools.partial(_kernel, plan, cd, config.layout, mode, draws is not None, L,
+                               env_static)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        out_f, out_i, end_f, end_i = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(rows // bm,), in_specs=specs,
+            out_specs=out_specs, interpret=interpret, name="fused_rollout", **kwargs)(*inputs)
+
+    out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
+    out.update({name: out_i[:, c, :n] for c, name in enumerate(OUT_I)})
+    for name in ("terminated", "truncated", "traded", "alive"):
+        out[name] = out[name].astype(jnp.bool_)
+    out["action"] = jnp.transpose(out_i[:, len(OUT_I):, :n], (0, 2, 1))
+    fields = {s: end_f[i, :n] for i, s in enumerate(STATE_F)}
+    fields.update({s: end_i[i, :n] for i, s in enumerate(STATE_I)})
+    return out, trading.EnvState(**fields)
+
+
+def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:
+    """The ``[L, N, P]`` portfolio observation (``prefix="next_portfolio"``: after the step)."""
+    return jnp.stack([out[f"{prefix}{j}"] for j in range(P)], axis=-1)
+
+
+__all__ = ["fused_rollout", "portfolio", "MODES", "OUT_F", "OUT_I"]

@@ -1,0 +1,160 @@
+"""The fused rollout kernel (pallas_kernels/rollout.py) against the lax.scan it replaces.
+
+Collection (epsilon-greedy, auto-reset) and greedy evaluation (per-episode lengths, ruin) run
+once through the scan of jnp functions (``backend=xla``) and once through the kernel in Pallas'
+interpret mode (``backend=pallas``), from the same keys: actions, bars and flags must be equal,
+money and observations equal to float32 rounding. A last test lowers both kernel modes for a
+CUDA GPU on this CPU, which runs the whole Pallas-to-Triton lowering (every primitive the kernel
+uses must have a Triton rule) without a GPU.
+"""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax.agent.learner import init_agent, make_learner
+from foxhunt_jax.config import load_config
+from foxhunt_jax.data.features import build_tables
+from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.env import trading
+from foxhunt_jax.training import collect, validate
+from foxhunt_jax.training.trainer import TRADING_ADAPTER
+from pallas_kernels import q_forward as qf
+from pallas_kernels.rollout import fused_rollout
+
+SMALL = ["network.trunk=[32]", "network.head=16", "network.atoms=5", "network.dtype=bfloat16",
+         "curiosity.hidden=8", "curiosity.embed=4"]
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return build_tables(load_market(["builtin:us_stocks_daily"]), episode_length=100)
+
+
+def _setup(tables, backend, overrides=(), split="train"):
+    cfg = load_config("smoke", SMALL + [f"network.backend={backend}"] + list(overrides))
+    params = trading.make_params(tables, cfg.env, split)
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    return cfg, params, learner
+
+
+def _agent(learner, params, seed):
+    agent = init_agent(jax.random.key(seed), learner, trading.obs_dim(params))
+    # larger output weights than at init, so greedy actions differ between rows and steps
+    p = jax.tree.map(lambda x: x * 3.0, agent.params)
+    return agent.replace(params=p)
+
+
+def _assert_same_trajectory(got, ref):
+    for k in ("action", "terminated", "truncated"):
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+    for k in ("obs", "next_obs"):
+        np.testing.assert_array_equal(got[k]["bar"], ref[k]["bar"], err_msg=k)
+        np.testing.assert_allclose(got[k]["portfolio"], ref[k]["portfolio"], rtol=2e-5,
+                                   atol=2e-6, err_msg=k)
+    np.testing.assert_allclose(got["reward"], ref["reward"], rtol=2e-5, atol=2e-7)
+
+
+@pytest.mark.parametrize("overrides, n, eps", [
+    ([], 24, 0.3),  # 3 branches; 24 rows pad to two blocks of 16
+    (["env.take_profit=[]", "env.stop_loss=[]", "env.cost_bps=10"], 16, 0.0),  # one branch
+    (["env.stop_loss=[]", "env.time_barrier=2", "env.ruin_floor=0.97"], 20, 0.5),
+])
+def test_fused_collection_equals_scan(tables, overrides, n, eps):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    steps, over = 12, ["env.episode_length=5"] + overrides  # several resets per episode
+    key = jax.random.key(seed)
+    out = {}
+    for backend in ("xla", "pallas"):
+        cfg, params, learner = _setup(tables, backend, over)
+        agent = _agent(learner, params, seed)
+        rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
+        out[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent: collect.trajectory(
+            _l, TRADING_ADAPTER, _p, _a.params, r, k, jnp.float32(eps), steps))(rollout, key)
+    (r_xla, t_xla), (r_pal, t_pal) = out["xla"], out["pallas"]
+    chex.assert_shape(t_pal["action"], (steps, n, len(cfg.env.branch_sizes)))
+    chex.assert_type(t_pal["action"], jnp.int32)
+    chex.assert_shape(t_pal["next_obs"]["portfolio"], (steps, n, trading.PORTFOLIO_DIM))
+    _assert_same_trajectory(t_pal, t_xla)
+    assert int(jnp.sum(t_xla["truncated"])) >= n  # the auto-reset path was taken
+    chex.assert_trees_all_close(r_pal, r_xla, rtol=2e-5, atol=2e-6)
+
+
+def test_fused_collection_feeds_the_whole_experience_phase(tables):
+    """collect() with the kernel: same replay items, priorities and curiosity statistics."""
+    steps, n = 6, 16
+    key = jax.random.key(int(np.random.default_rng().integers(1 << 30)))
+    res = {}
+    for backend in ("xla", "pallas"):
+        _, params, learner = _setup(tables, backend, ["env.episode_length=4"])
+        agent = _agent(learner, params, 3)
+        rollout = collect.start(TRADING_ADAPTER, params, key, n)
+        res[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent: collect.collect(
+            _l, TRADING_ADAPTER, _p, _a, r, k, jnp.float32(0.2), steps))(rollout, key)
+    _, items, prio, rnd, stats = res["pallas"]
+    _, items_x, prio_x, rnd_x, stats_x = res["xla"]
+    chex.assert_trees_all_close(items, items_x, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close((prio, rnd, stats), (prio_x, rnd_x, stats_x), rtol=1e-4,
+                                atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [[], ["env.ruin_floor=0.985", "env.cost_bps=20"]])
+def test_fused_evaluation_equals_scan(tables, overrides):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    steps = 10
+    got = {}
+    for backend in ("xla", "pallas"):
+        cfg, params, learner = _setup(tables, backend, overrides, split="validation")
+        agent = _agent(learner, params, seed)
+        starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 18))
+        lengths = jnp.asarray(rng.integers(1, steps + 1, size=starts.shape[0]), jnp.int32) \
+            if backend == "xla" else got["lengths"]
+        got["lengths"] = lengths
+        got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params: validate.greedy_rollout(
+            _l, p, _e, s, steps, jax.random.key(0), le))(agent.params, starts, lengths)
+    ref, out = got["xla"], got["pallas"]
+    assert set(out) == set(ref)
+    for k in ("action", "bar", "next_bar", "terminated", "truncated", "traded", "alive"):
+        np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
+    for k in ("portfolio", "next_portfolio", "reward", "equity", "exposure"):
+        np.testing.assert_allclose(out[k], ref[k], rtol=2e-5, atol=2e-6, err_msg=k)
+    assert not bool(jnp.all(ref["alive"]))  # some windows ended early (length or ruin)
+
+
+def test_rollout_arguments_are_checked(tables):
+    _, params, learner = _setup(tables, "pallas")
+    agent = _agent(learner, params, 0)
+    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:16], params)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fused_rollout(agent.params, learner.network, learner.support, params, state, 3, mode="x")
+    with pytest.raises(ValueError, match="reset_bars are required in collect mode"):
+        fused_rollout(agent.params, learner.network, learner.support, params, state, 3)
+
+
+def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
+    """Pallas -> Triton lowering of both modes at the default network width (no GPU needed)."""
+    monkeypatch.setattr(qf, "_on_cuda", lambda: True)
+    cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
+    cfg = dataclasses.replace(cfg)
+    params = trading.make_params(tables, cfg.env, "train")
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    agent = init_agent(jax.random.key(0), learner, trading.obs_dim(params))
+    n, steps = 256, 4
+    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
+    draws = jnp.full((steps, n, 3), -1, jnp.int32)
+    resets = jnp.broadcast_to(params.starts[:n], (steps, n))
+    net, z = learner.network, learner.support
+    collect_fn = jax.jit(lambda p, s, d, r: fused_rollout(p, net, z, params, s, steps, draws=d,
+                                                          reset_bars=r, interpret=False))
+    text = collect_fn.trace(agent.params, state, draws, resets).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "fused_rollout" in text
+    eval_fn = jax.jit(lambda p, s: fused_rollout(p, net, z, params, s, steps, mode="evaluate",
+                                                 interpret=False))
+    assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
+        lowering_platforms=("cuda",)).as_text()
