@@ -103,18 +103,11 @@ def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
 
 def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
                     discount) -> jax.Array:
-    """C51 double-Q loss per sample [M] from three forwards: online at s, online at s', target
-    at s'.
-
-    The three run as one forward vmapped over stacked parameters and inputs, so each layer is
-    one batched GEMM instead of three GEMMs: at small batches a learner step is bound by the
-    number of kernels it launches, not by arithmetic. Gradients reach ``params`` through the
-    first slot only (the loss uses the online s' logits through an argmax alone).
-    """
-    stacked = jax.tree.map(lambda p, q: jnp.stack([p, jax.lax.stop_gradient(p), q]), params,
-                           target_params)
-    logits = jax.vmap(learner.network.apply)(stacked, jnp.stack([obs, next_obs, next_obs]))
-    online_s, online_next, target_next = (tuple(l[i] for l in logits) for i in range(3))
+    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s')."""
+    apply = learner.network.apply
+    online_s = apply(params, obs)
+    online_next = apply(params, next_obs)
+    target_next = apply(target_params, next_obs)
     return c51_double_q_loss(online_s, online_next, target_next, action, returns, discount,
                              learner.support)
 
