@@ -14,14 +14,17 @@ Sections (``--sections``, all by default, run in this order), over the backends 
 - ``forward``: the collection/inference Q-forward (:func:`foxhunt_jax.agent.network.q_forward`)
   alone at ``--forward-n`` rows: time, rows/s, achieved FLOP/s, and equality of the Pallas
   kernel with the Flax forward on fresh random inputs (expected-Q error, greedy-action
-  mismatches outside near-ties); each Pallas launch shape of ``--kernel-configs`` is timed.
+  mismatches outside near-ties); each Pallas launch shape of ``--kernel-configs`` is timed
+  (the float32 kernel, which lost and compiles for minutes on a GPU, only with
+  ``--forward-f32-kernel``).
 - ``collect``: collection throughput in env-steps/s at ``--collect-n`` episodes x L: the
   collection loop (``rollout``: Q-forward, epsilon-greedy, env step, curiosity bonus,
   auto-reset, the per-step transitions written out: the per-step work of
   :func:`foxhunt_jax.training.collect.collect`'s scan), and the whole experience phase
   (``collect`` + replay add) at ``--experience-n`` (its initial-priority pass holds
   ``[N*L, width]`` activations); at the largest N a breakdown without curiosity and without
-  the Q-forward.
+  the Q-forward; with ``pallas`` among the variants, the rollout kernel's trajectory is
+  compared with the scan's at the smallest N (same keys and parameters).
 - ``train``: learner throughput: steps/s at the seed batch and samples/s at ``--big-batch``.
 - ``replay``: add/sample/update beside flashbax (``scripts/bench_replay.py``).
 - ``cmdbuf``: the seed epoch with XLA command buffers for while loops, in a fresh process.

@@ -28,7 +28,7 @@ def test_quick_run_writes_json_and_tables(tmp_path, capsys):
     # test_seed_section_statistics_and_tables covers their arithmetic on recorded times
     res = bench.main(["--quick", "--json", str(out), "--sections", "device,forward,collect",
                       "--variants", "xla:float32", "--forward-n", "64", "--collect-n", "16",
-                      "--experience-n", "1", "--no-breakdown"])
+                      "--experience-n", "1", "--no-breakdown", "--forward-f32-kernel"])
     saved = json.loads(out.read_text())
     assert saved["meta"]["sections"] == ["device", "forward", "collect"]
     assert saved["meta"]["quick"] is True
