@@ -326,6 +326,31 @@ def block_rows_for(n: int, cfg: KernelConfig) -> int:
     return int(min(cfg.block_rows, max(cfg.min_rows, _ALIGN, want)))
 
 
+def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, in_specs,
+           out_specs, out_shape, interpret: bool | None):
+    """``pl.pallas_call`` over a 1-D grid: Triton-compiled on a CUDA GPU with ``config``'s warps
+    and stages, interpreted elsewhere (``interpret=None`` decides by the platform)."""
+    if interpret is None:
+        interpret = not _on_cuda()
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        # small blocks have few rows of tensor-core tiles: more warps would only wait
+        warps = min(config.num_warps, max(4, block_rows // 8))
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
+                                                           num_stages=config.num_stages)
+
+    def run(*args):
+        with warnings.catch_warnings():
+            # JAX 0.11 marks Pallas' Triton backend deprecated; it is still the GPU path with
+            # gathers
+            warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+            return pl.pallas_call(kernel, out_shape=out_shape, grid=(grid,), in_specs=in_specs,
+                                  out_specs=out_specs, interpret=interpret, name=name,
+                                  **kwargs)(*args)
+    return run
+
+
 def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
                     with_q: bool = True, config: KernelConfig | None = None,
                     interpret: bool | None = None):
@@ -368,23 +393,9 @@ def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
         out_shape.insert(0, jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
         out_specs.insert(0, pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
 
-    if interpret is None:
-        interpret = not _on_cuda()
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        # small blocks have few rows of tensor-core tiles: more warps would only wait
-        warps = min(config.num_warps, max(4, bm // 8))
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
-                                                           num_stages=config.num_stages)
     kernel = functools.partial(_kernel, plan, cd, config.layout, with_q)
-    with warnings.catch_warnings():
-        # JAX 0.11 marks Pallas' Triton backend deprecated; it is still the GPU path with gathers
-        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        outs = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(rows // bm,),
-                              in_specs=in_specs, out_specs=tuple(out_specs),
-                              interpret=interpret, name="fused_q_forward",
-                              **kwargs)(x, z, *operands)
+    outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
+                  tuple(out_shape), interpret)(x, z, *operands)
     actions = outs[-1][:n]
     q = None
     if with_q:
@@ -406,6 +417,6 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "forward_rows", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
+__all__ = ["fused_q_forward", "forward_rows", "launch", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
            "forward_flops"]

@@ -29,7 +29,6 @@ per-step outputs are ``[L, C, N]`` so every store is a contiguous row of ``BM`` 
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import jax
@@ -37,9 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from foxhunt_jax.env import trading
-from pallas_kernels.q_forward import (_DTYPES, _offsets, _on_cuda, KernelConfig, block_rows_for,
-                                      default_config, forward_rows, make_plan, operand_names,
-                                      pack_params)
+from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, block_rows_for,
+                                      default_config, forward_rows, launch, make_plan,
+                                      operand_names, pack_params)
 
 P = trading.PORTFOLIO_DIM
 STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl_price")
@@ -214,25 +213,14 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                  pl.BlockSpec((L, n_i, bm), lambda i: (0, 0, i)),
                  cols(len(STATE_F)), cols(len(STATE_I)))
 
-    if interpret is None:
-        interpret = not _on_cuda()
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        warps = min(config.num_warps, max(4, bm // 8))
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
-                                                           num_stages=config.num_stages)
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
                   "has_take_profit": env_params.has_take_profit,
                   "has_stop_loss": env_params.has_stop_loss}
     kernel = functools.partial(_kernel, plan, cd, config.layout, mode, draws is not None, L,
                                env_static)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        out_f, out_i, end_f, end_i = pl.pallas_call(
-            kernel, out_shape=out_shape, grid=(rows // bm,), in_specs=specs,
-            out_specs=out_specs, interpret=interpret, name="fused_rollout", **kwargs)(*inputs)
+    out_f, out_i, end_f, end_i = launch(kernel, "fused_rollout", config, bm, rows // bm, specs,
+                                        out_specs, out_shape, interpret)(*inputs)
 
     out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
     out.update({name: out_i[:, c, :n] for c, name in enumerate(OUT_I)})

@@ -228,4 +228,5 @@ def param_count(params: Any) -> int:
 
 
 __all__ = ["QNetwork", "make_network", "init_params", "support", "expected_q", "greedy_actions",
-           "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS", "flatten_params", "param_count"]
+           "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
+           "flatten_params", "param_count"]
