@@ -295,13 +295,15 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
-    ``min_rows`` at small N), warps per program (at most), software-pipelining stages, layout."""
+    ``min_rows`` at small N), warps per program (``block_rows / 8`` clipped to
+    ``[min_warps, num_warps]``), software-pipelining stages, layout."""
 
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 1
     layout: str = "grouped"
     min_rows: int = 16
+    min_warps: int = 4
 
 
 # Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
@@ -336,7 +338,7 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
         # small blocks have few rows of tensor-core tiles: more warps would only wait
-        warps = min(config.num_warps, max(4, block_rows // 8))
+        warps = min(config.num_warps, max(config.min_warps, block_rows // 8))
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=warps,
                                                            num_stages=config.num_stages)
 

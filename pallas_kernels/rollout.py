@@ -72,8 +72,7 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
     sizes = plan.chunks(plan.obs_dim)
     n_feat = plan.obs_dim - P
 
-    def observe(state):
-        port = trading.portfolio_features(state, params)
+    def observe(state, port):
         xs = []
         for o, c in zip(_offsets(sizes), sizes):
             x = feat_ref[state.bar, pl.ds(o, c)]  # gather [BM, c]; the table is zero past F
@@ -82,11 +81,13 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
                 if o <= n_feat + j < o + c:
                     x = x + jnp.where(col == n_feat + j, port[j][:, None], 0.0)
             xs.append(x.astype(cd))
-        return port, xs
+        return xs
 
     def body(t, carry):
-        state, alive = carry
-        port, xs = observe(state)
+        # port: portfolio_features(state), carried so each step evaluates it once (on the new
+        # state, for the transition record and the next observation)
+        state, port, alive = carry
+        xs = observe(state, port)
         actions = forward_rows(plan, cd, layout, ops, xs, z)
         if explore:
             actions = [jnp.where(r >= 0, r, a) for r, a in
@@ -115,16 +116,20 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
                 sl_price=jnp.zeros_like(new.sl_price),
                 time_in_trade=jnp.zeros_like(new.time_in_trade))
             state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, new)
+            port = jax.tree.map(lambda a, b: jnp.where(done, a, b),
+                                trading.portfolio_features(fresh, params), next_port)
         else:  # finished or past its length: frozen
             state = jax.tree.map(lambda a, b: jnp.where(alive, a, b), new, state)
+            port = jax.tree.map(lambda a, b: jnp.where(alive, a, b), next_port, port)
             alive = alive & ~term
-        return state, alive
+        return state, port, alive
 
     fields = {name: st_f_ref[i, :] for i, name in enumerate(STATE_F)}
     fields.update({name: st_i_ref[i, :] for i, name in enumerate(STATE_I)})
     state0 = trading.EnvState(**fields)
     alive0 = jnp.ones(state0.bar.shape, jnp.bool_)
-    state, _ = jax.lax.fori_loop(0, num_steps, body, (state0, alive0))
+    port0 = trading.portfolio_features(state0, params)
+    state, _, _ = jax.lax.fori_loop(0, num_steps, body, (state0, port0, alive0))
     for i, name in enumerate(STATE_F):
         end_f_ref[i, :] = getattr(state, name)
     for i, name in enumerate(STATE_I):

@@ -1,0 +1,336 @@
+"""Side-by-side GPU measurements behind BENCHMARKS.md's "what limits it" notes.
+
+``foxhunt-jax bench`` times the library as configured. This script times the alternatives a
+default was chosen from, each in the same process so ratios are fair:
+
+- ``rollout``: launch shapes (rows per program, warps) of the fused rollout kernel at the seed
+  workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at N = 2^20;
+- ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
+  kernels (fused Q-forward, and plain XLA), by N, curiosity off;
+- ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
+  against float64 NumPy for a fresh and a nearly trained predictor;
+- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors, with
+  the number of kernel-launching instructions in each compiled program.
+
+Usage (GPU)::
+
+    PYTHONPATH=. python3 scripts/explore_gpu.py --json benchmarks/h200_explore3.json
+
+``--quick`` shrinks every size for a CPU check of the code paths (Pallas in interpret mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
+
+SECTIONS = ("rollout", "loopform", "rnd", "learner")
+
+
+def _setup(args, backend: str, dtype: str, n: int):
+    """Trainer pieces for the seed config at N episodes: learner, env params, agent, rollout."""
+    from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.data.loader import load_market
+    from foxhunt_jax.training import collect
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+
+    ns = SimpleNamespace(config=args.config, overrides=args.overrides)
+    cfg = _variant_cfg(ns, backend, dtype, [f"train.num_episodes={n}"])
+    if args._market is None:
+        args._market = load_market(cfg.data.source, sort=cfg.data.sort,
+                                   synthetic=cfg.data.synthetic)
+    tr = _build_trainer(cfg, args._market)
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    env_p = tr.env_params["train"]
+    agent = jax.jit(lambda k: init_agent(k, learner, tr.obs_dim))(jax.random.key(args.seed))
+    rollout = jax.jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
+        env_p, jax.random.key(args.seed + 1))
+    return SimpleNamespace(cfg=cfg, tr=tr, learner=learner, env_p=env_p, agent=agent,
+                           rollout=rollout)
+
+
+def _timed(fn, reps: int) -> dict:
+    ms = time_calls(fn, reps, warmup=1)
+    return {"ms": statistics.median(ms), "spread": spread(ms)}
+
+
+def section_rollout(args, out: dict) -> None:
+    """The rollout kernel under several launch shapes, same inputs, same process."""
+    from foxhunt_jax.agent.network import explore_draws
+    from foxhunt_jax.env import trading
+    from pallas_kernels.q_forward import KernelConfig
+    from pallas_kernels.rollout import fused_rollout
+
+    L = args.length
+    cases = [("collect", args.small_n, args.small_shapes), ("evaluate", args.val_n,
+                                                            args.small_shapes),
+             ("collect", args.large_n, args.large_shapes)]
+    out["rows"] = []
+    for mode, n, shapes in cases:
+        s = _setup(args, "pallas", "bfloat16", n)
+        net = s.learner.network
+        keys = jax.random.split(jax.random.key(args.seed + 2), L)
+        draws = jax.jit(jax.vmap(lambda k: explore_draws(k, n, net.branch_sizes,
+                                                         jnp.float32(0.1))))(keys)
+        start_v = jax.vmap(trading.start_bar, in_axes=(0, None))
+        resets = jax.jit(jax.vmap(lambda k: start_v(jax.random.split(k, n), s.env_p)))(keys)
+        state = s.rollout.env_state
+        reps = 3 if n >= (1 << 18) else args.reps
+        for rows, warps in shapes:
+            if time.perf_counter() > args._deadline:
+                out.setdefault("skipped", []).append(f"{mode} N={n} {rows}x{warps}")
+                continue
+            kc = KernelConfig(block_rows=rows, min_rows=rows, num_warps=warps, min_warps=warps)
+            row = {"mode": mode, "n": n, "length": L, "block_rows": rows, "num_warps": warps}
+            try:
+                if mode == "collect":
+                    f = jax.jit(lambda p, st, d, r, _kc=kc: fused_rollout(
+                        p, net, s.learner.support, s.env_p, st, L, mode="collect", draws=d,
+                        reset_bars=r, config=_kc))
+                    call = lambda: f(s.agent.params, state, draws, resets)  # noqa: E731
+                else:
+                    f = jax.jit(lambda p, st, _kc=kc: fused_rollout(
+                        p, net, s.learner.support, s.env_p, st, L, mode="evaluate", config=_kc))
+                    call = lambda: f(s.agent.params, state)  # noqa: E731
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                row["first_call_s"] = time.perf_counter() - t0
+                row.update(_timed(call, reps))
+                row["us_per_step"] = row["ms"] * 1e3 / L
+                row["env_steps_per_s"] = n * L / (row["ms"] * 1e-3)
+                print(f"  rollout {mode} N={n} rows={rows} warps={warps}: {row['ms']:.3f} ms "
+                      f"({row['us_per_step']:.1f} us/step, first call {row['first_call_s']:.1f} s)",
+                      flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  rollout {mode} N={n} rows={rows} warps={warps}: FAILED {row['error']}",
+                      flush=True)
+            out["rows"].append(row)
+        del s, draws, resets, state
+
+
+def section_loopform(args, out: dict) -> None:
+    """collect.trajectory three ways, curiosity off: rollout kernel, scan of fused forwards,
+    scan of XLA forwards (all bfloat16)."""
+    from foxhunt_jax.training import collect
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+
+    L = args.length
+    no_kernel = dataclasses.replace(TRADING_ADAPTER, fused=None)
+    forms = (("rollout_kernel", "pallas", TRADING_ADAPTER), ("scan_fused_forward", "pallas",
+                                                              no_kernel),
+             ("scan_xla", "xla", TRADING_ADAPTER))
+    out["rows"] = []
+    for n in args.loop_n:
+        for name, backend, adapter in forms:
+            if time.perf_counter() > args._deadline:
+                out.setdefault("skipped", []).append(f"{name} N={n}")
+                continue
+            row = {"form": name, "n": n, "length": L}
+            try:
+                s = _setup(args, backend, "bfloat16", n)
+                f = jax.jit(lambda a, r, k, _s=s, _ad=adapter: collect.trajectory(
+                    _s.learner, _ad, _s.env_p, a.params, r, k, jnp.float32(0.1), L))
+                keys = iter(jax.random.split(jax.random.key(args.seed + 3), 64))
+                reps = 3 if n >= (1 << 18) else args.reps
+                row.update(_timed(lambda: f(s.agent, s.rollout, next(keys)), reps))
+                row["env_steps_per_s"] = n * L / (row["ms"] * 1e-3)
+                print(f"  loopform {name} N={n}: {row['ms']:.2f} ms "
+                      f"({row['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s)", flush=True)
+                del s, f
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  loopform {name} N={n}: FAILED {row['error']}", flush=True)
+            out["rows"].append(row)
+
+
+def _rnd_forward(params, x, precision, dtype):
+    """The RND MLP (curiosity.RNDNetwork's math) with a chosen GEMM precision / input dtype."""
+    p = params["params"]
+    for name in ("hidden_0", "hidden_1", "out"):
+        w, b = p[name]["kernel"], p[name]["bias"]
+        y = jnp.dot(x.astype(dtype), w.astype(dtype), precision=precision,
+                    preferred_element_type=jnp.float32) + b
+        x = jnp.maximum(y, 0.0) if name != "out" else y
+    return x
+
+
+def _rnd_forward64(params, x):
+    p = params["params"]
+    for name in ("hidden_0", "hidden_1", "out"):
+        y = x @ np.asarray(p[name]["kernel"], np.float64) + np.asarray(p[name]["bias"], np.float64)
+        x = np.maximum(y, 0.0) if name != "out" else y
+    return x
+
+
+def section_rnd(args, out: dict) -> None:
+    """Raw novelty of 2^22 observations per GEMM precision: time and error against float64."""
+    from foxhunt_jax.agent import curiosity
+    from foxhunt_jax.config import CuriosityConfig
+
+    cfg = CuriosityConfig()
+    dim, m = args.obs_dim, args.rnd_rows
+    rnd = curiosity.init(jax.random.key(args.seed), dim, cfg)
+    x = jax.random.normal(jax.random.key(args.seed + 4), (m, dim), jnp.float32)
+    # a nearly trained predictor: the target plus 1% noise, so errors are small, as late in a run
+    near = jax.tree.map(lambda t, k: t * (1 + 0.01 * jax.random.normal(k, t.shape)),
+                        rnd.target_params, {"params": {n: {"kernel": jax.random.key(i),
+                                                           "bias": jax.random.key(i + 9)}
+                                                       for i, n in enumerate(
+                                                           ("hidden_0", "hidden_1", "out"))}})
+    variants = {"f32_highest": (jax.lax.Precision.HIGHEST, jnp.float32),
+                "f32_default": (jax.lax.Precision.DEFAULT, jnp.float32),
+                "bf16": (None, jnp.bfloat16)}
+    preset = getattr(jax.lax, "DotAlgorithmPreset", None)
+    if preset is not None and jax.default_backend() == "gpu":
+        variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
+        variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
+    xs = np.asarray(x[:4096], np.float64)
+    out["rows"] = []
+    for name, (prec, dt) in variants.items():
+        row = {"variant": name, "rows": m, "obs_dim": dim}
+        try:
+            def err(pred, tgt, xx, _p=prec, _d=dt):
+                return jnp.sum(jnp.square(_rnd_forward(pred, xx, _p, _d)
+                                          - _rnd_forward(tgt, xx, _p, _d)), axis=-1)
+            f = jax.jit(err)
+            row.update(_timed(lambda: f(rnd.predictor_params, rnd.target_params, x), args.reps))
+            for label, pred in (("fresh", rnd.predictor_params), ("near", near)):
+                ref = np.sum(np.square(_rnd_forward64(pred, xs)
+                                       - _rnd_forward64(rnd.target_params, xs)), axis=-1)
+                got = np.asarray(f(pred, rnd.target_params, x[:4096]), np.float64)
+                row[f"max_rel_err_{label}"] = float(np.max(np.abs(got - ref) / ref))
+            print(f"  rnd {name}: {row['ms']:.3f} ms for {m} rows, rel err fresh "
+                  f"{row['max_rel_err_fresh']:.2e}, near {row['max_rel_err_near']:.2e}",
+                  flush=True)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  rnd {name}: FAILED {row['error']}", flush=True)
+        out["rows"].append(row)
+
+
+_LAUNCH = re.compile(r"\b(fusion|custom-call|copy-start|all-reduce)\(")
+
+
+def kernel_count(compiled_text: str) -> int:
+    """Kernel-launching instructions (fusions, library calls) in an optimized HLO module."""
+    return sum(1 for line in compiled_text.splitlines() if _LAUNCH.search(line))
+
+
+def section_learner(args, out: dict) -> None:
+    """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
+    from foxhunt_jax.agent.learner import learner_step
+    from foxhunt_jax.env import trading
+    from foxhunt_jax.training.trainer import experience_phase
+
+    out["rows"] = []
+    for dtype in ("bfloat16", "float32"):
+        s = _setup(args, "xla", dtype, args.small_n)
+        tr = s.tr
+        state = tr.init_state()
+        exp = jax.jit(lambda p, st: experience_phase(s.learner, s.cfg, p, st, jnp.float32(0.5)))
+        for _ in range(2):  # a buffer with 2 epochs of transitions
+            state, _ = exp(s.env_p, state)
+        decode = lambda it: (trading.decode(it["obs"], s.env_p),  # noqa: E731
+                             trading.decode(it["next_obs"], s.env_p))
+        k = s.cfg.train.train_steps
+        for unroll in args.unrolls:
+            if time.perf_counter() > args._deadline:
+                out.setdefault("skipped", []).append(f"{dtype} unroll={unroll}")
+                continue
+            row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
+                   "unroll": unroll}
+            try:
+                def steps(agent, buf, key, _u=unroll):
+                    def body(c, kk):
+                        a, b = c
+                        a, b, m = learner_step(s.learner, decode, a, b, kk, jnp.float32(0.5))
+                        return (a, b), m["loss"]
+                    (a, b), ls = jax.lax.scan(body, (agent, buf), jax.random.split(key, k),
+                                              unroll=_u)
+                    return a, b, jnp.mean(ls)
+                t0 = time.perf_counter()
+                compiled = jax.jit(steps).lower(state.agent, state.buffer,
+                                                jax.random.key(1)).compile()
+                row["compile_s"] = time.perf_counter() - t0
+                row["kernels_in_program"] = kernel_count(compiled.as_text())
+                keys = iter(jax.random.split(jax.random.key(args.seed + 5), 256))
+                row.update(_timed(lambda: compiled(state.agent, state.buffer, next(keys)),
+                                  args.reps))
+                row["us_per_step"] = row["ms"] * 1e3 / k
+                print(f"  learner {dtype} unroll={unroll}: {row['ms']:.2f} ms "
+                      f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
+                      f"in the program, compile {row['compile_s']:.1f} s", flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  learner {dtype} unroll={unroll}: FAILED {row['error']}", flush=True)
+            out["rows"].append(row)
+        del s, tr, state
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(v) for v in part.split("x")) for part in text.split(",") if part)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--time-budget", type=float, default=540.0, help="seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.config = "smoke" if q else "seed"
+    args.overrides = ["network.trunk=[32]", "network.head=16", "env.episode_length=8"] if q else []
+    args.length = 8 if q else 100
+    args.small_n, args.val_n, args.large_n = (32, 16, 64) if q else (1024, 64, 1 << 20)
+    args.small_shapes = _shapes("16x4" if q else "16x4,16x2,16x8,32x4,64x4")
+    args.large_shapes = _shapes("16x4" if q else "128x8,64x4,64x8,128x4,256x8")
+    args.loop_n = (32,) if q else (16384, 262144, 1 << 20)
+    args.obs_dim = 40
+    args.rnd_rows = 256 if q else 1 << 22
+    args.unrolls = (1, 2) if q else (1, 2, 5, 10)
+    args.reps = 3 if q else 30
+    args._market = None
+    args._deadline = time.perf_counter() + args.time_budget
+    d = jax.devices()[0]
+    res = {"meta": {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+                    "command": "python3 scripts/explore_gpu.py " + " ".join(
+                        argv if argv is not None else sys.argv[1:]),
+                    "device": f"{d.platform} ({getattr(d, 'device_kind', d.platform)})",
+                    "jax": jax.__version__}}
+    for name in [s for s in args.sections.split(",") if s]:
+        if name not in SECTIONS:
+            raise SystemExit(f"error: unknown section {name!r}; known: {', '.join(SECTIONS)}")
+        print(f"[{name}]", flush=True)
+        t0 = time.perf_counter()
+        out = res.setdefault(name, {})
+        try:
+            globals()[f"section_{name}"](args, out)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            traceback.print_exc()
+        out["section_s"] = time.perf_counter() - t0
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
