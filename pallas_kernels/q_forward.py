@@ -115,12 +115,18 @@ class Plan:
         return sum(chunks(width))
 
 
-def make_plan(network, obs_dim: int) -> Plan:
-    """The :class:`Plan` of a ``QNetwork`` (its static fields) for observations of ``obs_dim``."""
+def make_plan(network, obs_dim: int, max_chunk: int | None = None) -> Plan:
+    """The :class:`Plan` of a ``QNetwork`` (its static fields) for observations of ``obs_dim``;
+    GEMM operand blocks at most ``max_chunk`` wide (default: ``_MAX_CHUNK`` of the dtype)."""
+    if max_chunk is None:
+        max_chunk = _MAX_CHUNK[network.dtype]
+    if max_chunk < _ALIGN or max_chunk & (max_chunk - 1):
+        raise ValueError(f"make_plan: max_chunk must be a power of two >= {_ALIGN}, "
+                         f"got {max_chunk}")
     return Plan(obs_dim=int(obs_dim), trunk=tuple(int(w) for w in network.trunk),
                 head=int(network.head), atoms=int(network.atoms),
                 branch_sizes=tuple(int(n) for n in network.branch_sizes),
-                max_chunk=_MAX_CHUNK[network.dtype])
+                max_chunk=int(max_chunk))
 
 
 def _pad2(x: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -296,7 +302,8 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
 class KernelConfig:
     """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
     ``min_rows`` at small N), warps per program (``block_rows / 8`` clipped to
-    ``[min_warps, num_warps]``), software-pipelining stages, layout."""
+    ``[min_warps, num_warps]``), software-pipelining stages, layout, and the widest GEMM operand
+    block (``max_chunk``; None: 256 for bfloat16, 128 for float32)."""
 
     block_rows: int = 128
     num_warps: int = 8
@@ -304,6 +311,7 @@ class KernelConfig:
     layout: str = "grouped"
     min_rows: int = 16
     min_warps: int = 4
+    max_chunk: int | None = None
 
 
 # Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
@@ -376,7 +384,7 @@ def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
     if config.layout not in LAYOUTS:
         raise ValueError(f"fused_q_forward: layout must be one of {LAYOUTS}, got {config.layout!r}")
     n, dim = obs.shape
-    plan = make_plan(network, dim)
+    plan = make_plan(network, dim, config.max_chunk)
     cd = _DTYPES[network.dtype]
     bm = block_rows_for(n, config)
     rows = -(-n // bm) * bm

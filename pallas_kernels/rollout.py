@@ -172,7 +172,7 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
         config = default_config(network.dtype)
     n = state.bar.shape[0]
     dim = trading.obs_dim(env_params)
-    plan = make_plan(network, dim)
+    plan = make_plan(network, dim, config.max_chunk)
     cd = _DTYPES[network.dtype]
     nb = len(plan.branch_sizes)
     bm = block_rows_for(n, config)

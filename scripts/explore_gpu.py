@@ -3,7 +3,7 @@
 ``foxhunt-jax bench`` times the library as configured. This script times the alternatives a
 default was chosen from, each in the same process so ratios are fair:
 
-- ``rollout``: launch shapes (rows per program, warps) of the fused rollout kernel at the seed
+- ``rollout``: launch shapes (rows per program, warps, GEMM block width) of the fused rollout kernel at the seed
   workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at N = 2^20;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
@@ -90,20 +90,26 @@ def section_rollout(args, out: dict) -> None:
         resets = jax.jit(jax.vmap(lambda k: start_v(jax.random.split(k, n), s.env_p)))(keys)
         state = s.rollout.env_state
         reps = 3 if n >= (1 << 18) else args.reps
-        for rows, warps in shapes:
+        runs = [(shape, fused_rollout, "") for shape in shapes]
+        if args.compare_rollout:  # the same first shape with another version of the kernel
+            runs.insert(1, (shapes[0], _load(args.compare_rollout).fused_rollout,
+                            args.compare_rollout))
+        for (rows, warps, chunk), kernel, source in runs:
             if time.perf_counter() > args._deadline:
-                out.setdefault("skipped", []).append(f"{mode} N={n} {rows}x{warps}")
+                out.setdefault("skipped", []).append(f"{mode} N={n} {rows}x{warps}x{chunk}")
                 continue
-            kc = KernelConfig(block_rows=rows, min_rows=rows, num_warps=warps, min_warps=warps)
-            row = {"mode": mode, "n": n, "length": L, "block_rows": rows, "num_warps": warps}
+            kc = KernelConfig(block_rows=rows, min_rows=rows, num_warps=warps, min_warps=warps,
+                              max_chunk=chunk)
+            row = {"mode": mode, "n": n, "length": L, "block_rows": rows, "num_warps": warps,
+                   "max_chunk": chunk, "kernel_source": source or "pallas_kernels/rollout.py"}
             try:
                 if mode == "collect":
-                    f = jax.jit(lambda p, st, d, r, _kc=kc: fused_rollout(
+                    f = jax.jit(lambda p, st, d, r, _kc=kc, _k=kernel: _k(
                         p, net, s.learner.support, s.env_p, st, L, mode="collect", draws=d,
                         reset_bars=r, config=_kc))
                     call = lambda: f(s.agent.params, state, draws, resets)  # noqa: E731
                 else:
-                    f = jax.jit(lambda p, st, _kc=kc: fused_rollout(
+                    f = jax.jit(lambda p, st, _kc=kc, _k=kernel: _k(
                         p, net, s.learner.support, s.env_p, st, L, mode="evaluate", config=_kc))
                     call = lambda: f(s.agent.params, state)  # noqa: E731
                 t0 = time.perf_counter()
@@ -112,12 +118,13 @@ def section_rollout(args, out: dict) -> None:
                 row.update(_timed(call, reps))
                 row["us_per_step"] = row["ms"] * 1e3 / L
                 row["env_steps_per_s"] = n * L / (row["ms"] * 1e-3)
-                print(f"  rollout {mode} N={n} rows={rows} warps={warps}: {row['ms']:.3f} ms "
+                print(f"  rollout {mode} N={n} rows={rows} warps={warps} chunk={chunk} "
+                      f"{source}: {row['ms']:.3f} ms "
                       f"({row['us_per_step']:.1f} us/step, first call {row['first_call_s']:.1f} s)",
                       flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"  rollout {mode} N={n} rows={rows} warps={warps}: FAILED {row['error']}",
+                print(f"  rollout {mode} N={n} {rows}x{warps}x{chunk}: FAILED {row['error']}",
                       flush=True)
             out["rows"].append(row)
         del s, draws, resets, state
@@ -135,6 +142,7 @@ def section_loopform(args, out: dict) -> None:
                                                               no_kernel),
              ("scan_xla", "xla", TRADING_ADAPTER))
     out["rows"] = []
+    forms = [f for f in forms if f[0] in args.loop_forms.split(",")]
     for n in args.loop_n:
         for name, backend, adapter in forms:
             if time.perf_counter() > args._deadline:
@@ -199,6 +207,9 @@ def section_rnd(args, out: dict) -> None:
     if preset is not None and jax.default_backend() == "gpu":
         variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
         variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
+        variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
+    if args.rnd_variants:
+        variants = {k: v for k, v in variants.items() if k in args.rnd_variants.split(",")}
     xs = np.asarray(x[:4096], np.float64)
     out["rows"] = []
     for name, (prec, dt) in variants.items():
@@ -238,7 +249,7 @@ def section_learner(args, out: dict) -> None:
     from foxhunt_jax.training.trainer import experience_phase
 
     out["rows"] = []
-    for dtype in ("bfloat16", "float32"):
+    for dtype in args.learner_dtypes.split(","):
         s = _setup(args, "xla", dtype, args.small_n)
         tr = s.tr
         state = tr.init_state()
@@ -282,8 +293,23 @@ def section_learner(args, out: dict) -> None:
         del s, tr, state
 
 
-def _shapes(text: str) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(int(v) for v in part.split("x")) for part in text.split(",") if part)
+def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
+    """``"128x8,128x8x64"`` -> (rows, warps, max_chunk or None) per launch shape."""
+    out = []
+    for part in text.split(","):
+        v = [int(x) for x in part.split("x")]
+        out.append((v[0], v[1], v[2] if len(v) > 2 else None))
+    return tuple(out)
+
+
+def _load(path: str):
+    """A module from a file (another version of the rollout kernel, for an A/B run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main(argv=None) -> dict:
@@ -293,18 +319,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small-shapes", default=None, help="rowsxwarps[xchunk],... at N = 1024/64")
+    ap.add_argument("--large-shapes", default=None, help="rowsxwarps[xchunk],... at N = 2^20")
+    ap.add_argument("--compare-rollout", default=None,
+                    help="file of another rollout kernel version, timed at the first shape")
+    ap.add_argument("--loop-forms", default="rollout_kernel,scan_fused_forward,scan_xla")
+    ap.add_argument("--unrolls", default=None, help="learner scan unroll factors, e.g. 1,2,5")
+    ap.add_argument("--learner-dtypes", default="bfloat16,float32")
+    ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     args = ap.parse_args(argv)
     q = args.quick
     args.config = "smoke" if q else "seed"
     args.overrides = ["network.trunk=[32]", "network.head=16", "env.episode_length=8"] if q else []
     args.length = 8 if q else 100
     args.small_n, args.val_n, args.large_n = (32, 16, 64) if q else (1024, 64, 1 << 20)
-    args.small_shapes = _shapes("16x4" if q else "16x4,16x2,16x8,32x4,64x4")
-    args.large_shapes = _shapes("16x4" if q else "128x8,64x4,64x8,128x4,256x8")
+    args.small_shapes = _shapes(args.small_shapes or ("16x4" if q else "16x4,16x2,16x8,32x4,64x4"))
+    args.large_shapes = _shapes(args.large_shapes
+                                or ("16x4" if q else "128x8,64x4,64x8,128x4,256x8"))
     args.loop_n = (32,) if q else (16384, 262144, 1 << 20)
     args.obs_dim = 40
     args.rnd_rows = 256 if q else 1 << 22
-    args.unrolls = (1, 2) if q else (1, 2, 5, 10)
+    args.unrolls = tuple(int(u) for u in args.unrolls.split(",")) if args.unrolls else (
+        (1, 2) if q else (1, 2, 5, 10))
     args.reps = 3 if q else 30
     args._market = None
     args._deadline = time.perf_counter() + args.time_budget
