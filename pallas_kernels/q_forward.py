@@ -315,10 +315,11 @@ class KernelConfig:
 
 
 # Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
-# forward at N = 2^20 in 2.2 ms on an H200 where 4 warps took 7.7 ms (BENCHMARKS.md). float32
-# operands are twice the bytes, so half the rows.
+# forward at N = 2^20 in 2.2 ms on an H200 where 4 warps took 7.7 ms, and 8 warps beat 4 at the
+# 16-row blocks of small N too (the rollout kernel at N = 64: 2.67 against 2.96 ms; 2 warps
+# spill, 42.5 ms; BENCHMARKS.md). float32 operands are twice the bytes, so half the rows.
 DEFAULT_CONFIGS = {"float32": KernelConfig(block_rows=64, num_warps=8),
-                   "bfloat16": KernelConfig(block_rows=128, num_warps=8)}
+                   "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8)}
 
 
 def default_config(dtype: str) -> KernelConfig:

@@ -9,8 +9,9 @@ default was chosen from, each in the same process so ratios are fair:
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
-- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors, with
-  the number of kernel-launching instructions in each compiled program.
+- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors (and
+  optionally the optimizer on one raveled vector), with the number of kernel-launching
+  instructions in each compiled program.
 
 Usage (GPU)::
 
@@ -35,6 +36,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 
@@ -259,31 +261,42 @@ def section_learner(args, out: dict) -> None:
         decode = lambda it: (trading.decode(it["obs"], s.env_p),  # noqa: E731
                              trading.decode(it["next_obs"], s.env_p))
         k = s.cfg.train.train_steps
-        for unroll in args.unrolls:
+        runs = [(u, "base") for u in args.unrolls]
+        runs += [(1, v) for v in args.learner_variants.split(",") if v and v != "base"]
+        for unroll, variant in runs:
             if time.perf_counter() > args._deadline:
-                out.setdefault("skipped", []).append(f"{dtype} unroll={unroll}")
+                out.setdefault("skipped", []).append(f"{dtype} unroll={unroll} {variant}")
                 continue
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
-                   "unroll": unroll}
+                   "unroll": unroll, "variant": variant}
+            learner, agent = s.learner, state.agent
+            if variant == "flat_adam":  # the optimizer chain on one raveled parameter vector
+                learner = dataclasses.replace(learner, optimizer=optax.flatten(learner.optimizer))
+                agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
             try:
-                def steps(agent, buf, key, _u=unroll):
+                def steps(agent, buf, key, _u=unroll, _l=learner):
                     def body(c, kk):
                         a, b = c
-                        a, b, m = learner_step(s.learner, decode, a, b, kk, jnp.float32(0.5))
+                        a, b, m = learner_step(_l, decode, a, b, kk, jnp.float32(0.5))
                         return (a, b), m["loss"]
                     (a, b), ls = jax.lax.scan(body, (agent, buf), jax.random.split(key, k),
                                               unroll=_u)
                     return a, b, jnp.mean(ls)
                 t0 = time.perf_counter()
-                compiled = jax.jit(steps).lower(state.agent, state.buffer,
+                compiled = jax.jit(steps).lower(agent, state.buffer,
                                                 jax.random.key(1)).compile()
                 row["compile_s"] = time.perf_counter() - t0
-                row["kernels_in_program"] = kernel_count(compiled.as_text())
+                text = compiled.as_text()
+                row["kernels_in_program"] = kernel_count(text)
+                if args.hlo_dir:
+                    Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(args.hlo_dir) / f"learner_{dtype}_{variant}_u{unroll}.hlo.txt"
+                     ).write_text(text)
                 keys = iter(jax.random.split(jax.random.key(args.seed + 5), 256))
-                row.update(_timed(lambda: compiled(state.agent, state.buffer, next(keys)),
+                row.update(_timed(lambda: compiled(agent, state.buffer, next(keys)),
                                   args.reps))
                 row["us_per_step"] = row["ms"] * 1e3 / k
-                print(f"  learner {dtype} unroll={unroll}: {row['ms']:.2f} ms "
+                print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
                       f"in the program, compile {row['compile_s']:.1f} s", flush=True)
             except Exception as e:
@@ -327,6 +340,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--unrolls", default=None, help="learner scan unroll factors, e.g. 1,2,5")
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
+    ap.add_argument("--learner-variants", default="base",
+                    help="base and/or flat_adam (optax.flatten around the optimizer chain)")
+    ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick
     args.config = "smoke" if q else "seed"

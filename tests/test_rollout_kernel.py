@@ -104,6 +104,36 @@ def test_fused_collection_equals_scan(tables, overrides, n, eps):
                                 jax.tree.map(lambda x: x[same], r_xla), rtol=2e-5, atol=2e-6)
 
 
+def test_loop_form_is_chosen_by_episode_count(tables, monkeypatch):
+    """Up to MAX_KERNEL_EPISODES the Pallas backend runs the rollout kernel; above it, the scan
+    with the fused Q-forward per step, which gives the same trajectory."""
+    from foxhunt_jax.training import fused
+
+    _, params, learner = _setup(tables, "pallas", ["env.episode_length=5"])
+    _, _, xla = _setup(tables, "xla")
+    limit = fused.MAX_KERNEL_EPISODES
+    assert fused.use_rollout_kernel(learner, limit)
+    assert not fused.use_rollout_kernel(learner, limit + 1)
+    assert not fused.use_rollout_kernel(xla, 16)
+    monkeypatch.setattr(fused, "MAX_KERNEL_EPISODES", 16)
+    kernel_calls = []
+    real = fused.collect_trajectory
+    adapter = dataclasses.replace(TRADING_ADAPTER, fused=lambda *a: kernel_calls.append(1)
+                                  or real(*a))
+    seed = int(np.random.default_rng().integers(1 << 30))
+    key = jax.random.key(seed)
+    agent = _agent(learner, params, seed)
+    out = {}
+    for n in (16, 24):
+        rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
+        for name, lr in (("pallas", learner), ("xla", xla)):
+            out[name, n] = jax.jit(lambda r, k, _l=lr: collect.trajectory(
+                _l, adapter, params, agent.params, r, k, jnp.float32(0.3), 8))(rollout, key)[1]
+    assert len(kernel_calls) == 1  # traced once: N = 16 (the kernel); N = 24 took the scan
+    for n in (16, 24):
+        _assert_same_trajectory(out["pallas", n], out["xla", n])
+
+
 def test_fused_collection_feeds_the_whole_experience_phase(tables):
     """collect() with the kernel: same replay items, priorities and curiosity statistics."""
     steps, n = 6, 16

@@ -11,7 +11,9 @@ into the replay buffer. The whole phase is one jitted call with no host round tr
 
 With ``network.backend=pallas`` an adapter that provides ``fused`` (the trading env:
 :mod:`foxhunt_jax.training.fused`) replaces the scan by one Pallas kernel over all timesteps,
-fed with the same per-step random draws, so both backends give the same trajectory.
+fed with the same per-step random draws, so both backends give the same trajectory; that is
+done up to ``fused.MAX_KERNEL_EPISODES`` episodes, above which the scan (with the fused
+Q-forward) is the faster form.
 
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
 gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
@@ -164,11 +166,13 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
     (the adapter's encodings of the observation acted on and of the one after the step, before
     any reset), ``action [L, N, B]``, ``reward`` (extrinsic), ``terminated``, ``truncated``.
     """
+    from foxhunt_jax.training.fused import use_rollout_kernel
+
     keys = step_keys(key, num_steps)
-    if learner.net_cfg.backend == "pallas" and adapter.fused is not None:
+    n = rollout.obs.shape[0]
+    if adapter.fused is not None and use_rollout_kernel(learner, n):
         return adapter.fused(learner, env_params, agent_params, rollout, keys, epsilon, num_steps)
     net, support = learner.network, learner.support
-    n = rollout.obs.shape[0]
     step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
     reset_v = jax.vmap(adapter.reset, in_axes=(0, None))
     encode_v = jax.vmap(adapter.encode)

@@ -3,7 +3,8 @@
 With ``network.backend=pallas``, :func:`foxhunt_jax.training.collect.trajectory` and
 :func:`foxhunt_jax.training.validate.greedy_rollout` run their whole timestep loop in one kernel
 (:func:`pallas_kernels.rollout.fused_rollout`) instead of a ``lax.scan`` that launches several
-kernels per step. This module only adapts arguments and results: the random draws come from the
+kernels per step, up to :data:`MAX_KERNEL_EPISODES` episodes (above it, the scan with the fused
+Q-forward is faster; :func:`use_rollout_kernel`). This module only adapts arguments and results: the random draws come from the
 same keys and functions as in the scan (``collect.step_keys``, ``explore_draws``,
 ``trading.start_bar``) and the results have the scan's layout, so the two backends are
 interchangeable and tested equal.
@@ -16,6 +17,19 @@ import jax.numpy as jnp
 
 from foxhunt_jax.agent.network import explore_draws
 from foxhunt_jax.env import trading
+
+# Above this many parallel episodes the scan of per-step kernels (fused Q-forward, XLA env step)
+# beats the one-kernel rollout on an H200: 16k episodes x 100 steps took 6.5 ms in the kernel and
+# 10.3 ms in the scan, 256k took 85.9 ms and 64.5 ms (BENCHMARKS.md; the fitted crossover is about
+# 53k). The kernel holds every episode's state and the whole network's activations in one
+# program's registers, which pays while launches dominate and costs occupancy once they do not.
+MAX_KERNEL_EPISODES = 1 << 15
+
+
+def use_rollout_kernel(learner, num_episodes: int) -> bool:
+    """Whether a rollout of ``num_episodes`` parallel episodes runs as one kernel: the Pallas
+    backend and at most :data:`MAX_KERNEL_EPISODES` episodes."""
+    return learner.net_cfg.backend == "pallas" and num_episodes <= MAX_KERNEL_EPISODES
 
 
 def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Array, epsilon,
@@ -53,4 +67,4 @@ def evaluate_trajectory(learner, agent_params, env_params, starts: jax.Array, nu
                 step=jnp.arange(num_steps, dtype=jnp.int32)[:, None])
 
 
-__all__ = ["collect_trajectory", "evaluate_trajectory"]
+__all__ = ["collect_trajectory", "evaluate_trajectory", "use_rollout_kernel", "MAX_KERNEL_EPISODES"]

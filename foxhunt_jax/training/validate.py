@@ -104,12 +104,13 @@ def greedy_policy(learner: Learner, params):
 def greedy_rollout(learner: Learner, params, env_params, starts: jax.Array, num_steps: int,
                    key: jax.Array, lengths: jax.Array | None = None):
     """:func:`policy_rollout` of the agent's :func:`greedy_policy`; with
-    ``network.backend=pallas`` the whole rollout is one kernel (:mod:`foxhunt_jax.training.fused`,
-    tested equal)."""
-    if learner.net_cfg.backend != "pallas":
+    ``network.backend=pallas`` and up to ``fused.MAX_KERNEL_EPISODES`` windows the whole rollout
+    is one kernel (:mod:`foxhunt_jax.training.fused`, tested equal)."""
+    from foxhunt_jax.training.fused import evaluate_trajectory, use_rollout_kernel
+
+    if not use_rollout_kernel(learner, starts.shape[0]):
         return policy_rollout(env_params, starts, num_steps, greedy_policy(learner, params), key,
                               lengths)
-    from foxhunt_jax.training.fused import evaluate_trajectory
 
     w = starts.shape[0]
     lengths = jnp.full((w,), num_steps, jnp.int32) if lengths is None else jnp.asarray(lengths)
