@@ -273,6 +273,8 @@ def section_learner(args, out: dict) -> None:
             if variant == "flat_adam":  # the optimizer chain on one raveled parameter vector
                 learner = dataclasses.replace(learner, optimizer=optax.flatten(learner.optimizer))
                 agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
+            elif variant == "no_rnd":  # curiosity off: no RND predictor update in the step
+                agent = agent.replace(rnd=None)
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner):
                     def body(c, kk):
@@ -341,7 +343,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
-                    help="base and/or flat_adam (optax.flatten around the optimizer chain)")
+                    help="base, flat_adam (optax.flatten around the optimizer chain), no_rnd")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick
