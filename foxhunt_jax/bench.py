@@ -461,8 +461,9 @@ def _report_child(name: str, res: dict) -> None:
 
 
 def section_compile(args, out: dict, deadline: Deadline, cache: str, seed_rows: list) -> None:
-    """Whole-epoch compile: cold (the seed section's, in this process, with an empty persistent
-    cache that it fills) and from that cache in a fresh process."""
+    """Whole-epoch compile: cold (the seed section's, in this process, with empty caches that it
+    fills) and from those caches in fresh processes: JAX's persistent cache alone, and with
+    the executable cache (:mod:`foxhunt_jax.jitcache`)."""
     variants = args.compile_variants or args.variants
     done = {(r["backend"], r["dtype"]) for r in seed_rows if "compile_ms" in r}
     if not set(variants) <= done:  # the seed section did not fill the cache: a cold child does
@@ -474,13 +475,17 @@ def section_compile(args, out: dict, deadline: Deadline, cache: str, seed_rows: 
         out["cold"] = {"source": "seed section (this process, empty cache)",
                        "rows": [{k: r[k] for k in ("backend", "dtype", "compile_ms", "init_ms")}
                                 for r in seed_rows if (r["backend"], r["dtype"]) in variants]}
-    if not deadline.ok(20):
-        out["cached"] = {"skipped": "time budget"}
-        return
-    res = _run_child(_child_cmd(args, variants, Path(cache) / "cached.json", 0),
-                     _child_env(FOXHUNT_JAX_CACHE=cache), deadline.left() - 10)
-    out["cached"] = res
-    _report_child("cached", res)
+    # from the cache: JAX's persistent cache alone (trace, lower, load XLA's output), then with
+    # the executable cache too (load the three programs)
+    for name, extra in (("cached_xla_only", {"FOXHUNT_JAX_EXECUTABLE_CACHE": "off"}),
+                        ("cached", {})):
+        if not deadline.ok(20):
+            out[name] = {"skipped": "time budget"}
+            continue
+        res = _run_child(_child_cmd(args, variants, Path(cache) / f"{name}.json", 0),
+                         _child_env(FOXHUNT_JAX_CACHE=cache, **extra), deadline.left() - 10)
+        out[name] = res
+        _report_child(name, res)
 
 
 def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:
@@ -523,7 +528,7 @@ def child_main(args) -> dict:
         init_ms = tr.init_ms
         tr.compile(state)
         row = {"backend": backend, "dtype": dtype, "init_ms": init_ms,
-               "compile_ms": tr.compile_ms}
+               "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded}
         if args.epochs > 0:
             tr.init_ms = tr.compile_ms = 0.0
             phases = {"experience": [], "training": [], "validation": [], "total": []}
@@ -858,17 +863,24 @@ def tables(res: dict) -> str:
     comp = res.get("compile", {})
     if comp.get("cold", {}).get("rows"):
         lines += ["", "Whole-epoch compile (the three phase programs) and the state-init program, s:"
-                      " cold = empty persistent cache; cached = a fresh process loading it",
-                  "| variant | cold compile | cold init | cached compile | cached init |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        warm = {(r["backend"], r["dtype"]): r for r in comp.get("cached", {}).get("rows", [])}
+                      " cold = empty caches; then a fresh process with JAX's persistent cache"
+                      " only (XLA cache) and with the executable cache too (loaded: programs"
+                      " it served)",
+                  "| variant | cold compile | cold init | XLA cache compile | executable cache"
+                  " compile (loaded) | its init |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        rows = {name: {(r["backend"], r["dtype"]): r for r in comp.get(name, {}).get("rows", [])}
+                for name in ("cached_xla_only", "cached")}
         for c in comp["cold"]["rows"]:
-            w = warm.get((c["backend"], c["dtype"]), {})
-            lines.append(f"| {_vname(c['backend'], c['dtype'])} | {c['compile_ms'] / 1e3:.2f} | "
+            v = (c["backend"], c["dtype"])
+            x, w = rows["cached_xla_only"].get(v, {}), rows["cached"].get(v, {})
+            lines.append(f"| {_vname(*v)} | {c['compile_ms'] / 1e3:.2f} | "
                          f"{c['init_ms'] / 1e3:.2f} | "
-                         f"{_f(w.get('compile_ms', float('nan')) / 1e3)} | "
+                         f"{_f(x.get('compile_ms', float('nan')) / 1e3)} | "
+                         f"{_f(w.get('compile_ms', float('nan')) / 1e3)} "
+                         f"({w.get('executables_loaded', '-')}/3) | "
                          f"{_f(w.get('init_ms', float('nan')) / 1e3)} |")
-    for name in ("cold", "cached"):
+    for name in ("cold", "cached_xla_only", "cached"):
         if "error" in comp.get(name, {}):
             lines.append(f"compile {name}: error {comp[name]['error'][-200:]}")
     cb = res.get("cmdbuf", {})

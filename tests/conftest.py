@@ -1,5 +1,7 @@
 """Test-suite set-up: JAX's persistent compilation cache, so that the CLI subprocesses and the
-in-process runs of one config compile each program once per machine."""
+in-process runs of one config compile each program once per machine. The executable cache stays
+off in this process: tests monkeypatch library functions, which its keys cannot see (the CLI
+subprocesses use it; test_jitcache.py tests it)."""
 
 import os
 
@@ -8,4 +10,4 @@ os.environ.setdefault("FOXHUNT_JAX_CACHE", os.path.join(os.path.expanduser("~"),
 
 from foxhunt_jax.jitcache import enable_compilation_cache  # noqa: E402
 
-enable_compilation_cache()
+enable_compilation_cache(executables=False)

@@ -80,7 +80,8 @@ def _network(cfg: CuriosityConfig) -> RNDNetwork:
 
 
 def _optimizer(cfg: CuriosityConfig) -> optax.GradientTransformation:
-    return optax.adam(cfg.learning_rate)
+    # on one raveled vector: fewer kernels per learner step (as the Q-network's optimizer)
+    return optax.flatten(optax.adam(cfg.learning_rate))
 
 
 def init(key: jax.Array, obs_dim: int, cfg: CuriosityConfig) -> RNDState:

@@ -4,7 +4,8 @@ One jitted function does a whole step (DESIGN 3.9):
 
     sample batch (prioritized) -> decode observations -> online(s), target(s'), online(s')
     -> per-sample C51 double-Q loss -> importance-weighted mean -> grads
-    -> optax chain(clip_by_global_norm, adam) -> target update (hard every M steps or Polyak)
+    -> optax chain(clip_by_global_norm, adam) on the raveled parameters
+    -> target update (hard every M steps or Polyak)
     -> new priorities = per-sample loss -> RND predictor update on s'
 
 ``train_steps`` runs K of them under ``lax.scan``. The learner is generic over what the replay
@@ -74,8 +75,10 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
                    head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
     t = cfg.train
     net_cfg = dataclasses.replace(cfg.network, backend=resolve_backend(cfg.network))
-    optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                            optax.adam(t.learning_rate, eps=t.adam_eps))
+    # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
+    # launches 31 fewer kernels (7% faster on an H200 at the seed's batch, BENCHMARKS.md)
+    optimizer = optax.flatten(optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                                          optax.adam(t.learning_rate, eps=t.adam_eps)))
     return Learner(net, optimizer, net_cfg, t, cfg.replay, cfg.curiosity)
 
 

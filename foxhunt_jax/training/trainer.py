@@ -32,6 +32,7 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
+from foxhunt_jax.jitcache import compile_cached
 from foxhunt_jax.training import fused, validate
 from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
 from foxhunt_jax.training.metrics import trading_metrics
@@ -145,6 +146,7 @@ class Trainer:
     val_starts: np.ndarray
     init_ms: float = 0.0
     compile_ms: float = 0.0
+    executables_loaded: int = 0  # phases the last compile() loaded from the executable cache
     _phases: dict | None = None
     mesh: Any = None  # jax.sharding.Mesh over the devices that run the phases
     _val_starts_dev: Any = None  # val_starts on this process's first device of the mesh
@@ -216,12 +218,15 @@ class Trainer:
                       in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         scalar = np.float32(0)
         val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
-        self._phases = {
-            "experience": exp.lower(tr, state, scalar).compile(),
-            "training": trn.lower(tr, state, scalar).compile(),
-            "validation": val.lower(va, self._val_starts_device(),
-                                    self._local_agent(state)).compile(),
-        }
+        programs = {"experience": (exp, (tr, state, scalar)),
+                    "training": (trn, (tr, state, scalar)),
+                    "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
+        self._phases, self.executables_loaded = {}, 0
+        for name, (fn, args) in programs.items():
+            # the executable cache (jitcache) skips tracing and lowering when a previous process
+            # compiled the same program; with the cache off this is lower().compile()
+            self._phases[name], loaded = compile_cached(fn, args, name=name, config=cfg)
+            self.executables_loaded += int(loaded)
         self.compile_ms = (time.perf_counter() - t0) * 1e3
 
     def run_epoch(self, state: TrainerState) -> tuple[TrainerState, dict]:

@@ -1,0 +1,142 @@
+"""The executable cache (foxhunt_jax/jitcache.py): a loaded program computes what the compiled
+one does, keys change with what determines the program, bad entries are recompiled."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax import jitcache
+from foxhunt_jax.config import load_config
+from foxhunt_jax.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def exe_dir(tmp_path, monkeypatch):
+    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
+    folder = tmp_path / "executables"
+    monkeypatch.setattr(jitcache, "_executables", folder)
+    return folder
+
+
+def _strip(rec):
+    return {k: v for k, v in rec.items() if k != "phase_ms"}
+
+
+def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
+    # an atom support no other run used (every phase's program holds it): XLA compiles the
+    # programs here (a program JAX's persistent cache served is not stored, see the next test)
+    v_max = 10.0 + float(np.random.default_rng().random())
+    cfg = load_config("smoke", [f"network.v_max={v_max!r}"])
+    runs = []
+    for _ in range(2):
+        tr = Trainer.build(cfg)
+        state = tr.init_state()
+        tr.compile(state)
+        loaded = tr.executables_loaded
+        recs = []
+        for _ in range(2):
+            state, rec = tr.run_epoch(state)
+            recs.append(_strip(rec))
+        runs.append((loaded, recs, jax.device_get(state.agent.params)))
+    (loaded0, recs0, params0), (loaded1, recs1, params1) = runs
+    assert (loaded0, loaded1) == (0, 3)
+    assert sorted(p.name.split("-")[0] for p in exe_dir.iterdir()) == [
+        "experience", "training", "validation"]
+    assert recs0 == recs1
+    jax.tree.map(np.testing.assert_array_equal, params0, params1)
+
+
+def _tiny():
+    return jax.jit(lambda x, y: jnp.tanh(x) @ y + 1.0)
+
+
+def test_keys_follow_config_and_argument_shapes(exe_dir):
+    x, y = jnp.ones((4, 3)), jnp.ones((3, 2))
+    k = jitcache.cache_key("f", {"a": 1}, (x, y))
+    assert k == jitcache.cache_key("f", {"a": 1}, (jnp.zeros((4, 3)), y))  # values do not enter
+    assert k != jitcache.cache_key("f", {"a": 2}, (x, y))
+    assert k != jitcache.cache_key("f", {"a": 1}, (jnp.ones((5, 3)), y))
+    assert k != jitcache.cache_key("f", {"a": 1}, (x.astype(jnp.bfloat16), y))
+    assert k != jitcache.cache_key("g", {"a": 1}, (x, y))
+    assert len(jitcache.source_digest()) == 64
+
+
+def test_a_damaged_entry_is_compiled_again_and_replaced(exe_dir):
+    x, y = jnp.arange(12.0).reshape(4, 3), jnp.ones((3, 2))
+    c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    assert not loaded
+    [entry] = list(exe_dir.iterdir())
+    entry.write_bytes(b"not a pickle")
+    with pytest.warns(UserWarning, match="could not load"):
+        c2, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    assert not loaded
+    np.testing.assert_array_equal(c(x, y), c2(x, y))
+    c3, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    assert loaded
+    np.testing.assert_array_equal(c(x, y), c3(x, y))
+
+
+def test_programs_served_by_the_xla_cache_are_not_stored(exe_dir):
+    class Served:  # a jitted function whose compile JAX's persistent cache answered
+        def __init__(self, fn):
+            self.fn = fn
+
+        def lower(self, *args):
+            jax.monitoring.record_event(jitcache._HIT)
+            return self.fn.lower(*args)
+
+    x, y = jnp.ones((4, 3)), jnp.ones((3, 2))
+    for _ in range(2):
+        c, loaded = jitcache.compile_cached(Served(_tiny()), (x, y), name="tiny", config={})
+        assert not loaded
+    assert not exe_dir.exists() or not list(exe_dir.iterdir())
+    np.testing.assert_allclose(c(x, y), _tiny()(x, y))
+
+
+def test_cache_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(jitcache, "_executables", None)
+    c, loaded = jitcache.compile_cached(_tiny(), (jnp.ones((2, 3)), jnp.ones((3, 1))),
+                                        name="tiny", config={})
+    assert not loaded and not list(tmp_path.iterdir())
+
+
+SHARDED = textwrap.dedent('''
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from foxhunt_jax import jitcache
+    jitcache.enable_compilation_cache(sys.argv[1])
+    devs = jax.devices()
+    mesh = Mesh(np.array([devs[3], devs[0], devs[2], devs[1]]), ("data",))  # not in id order
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data")))
+    f = jax.jit(lambda x: (jnp.sin(x) * 2, jnp.sum(x ** 2)),
+                out_shardings=(NamedSharding(mesh, P("data")), NamedSharding(mesh, P())))
+    c, loaded = jitcache.compile_cached(f, (x,), name="sharded", config={})
+    a, b = c(x)
+    print(json.dumps({"loaded": loaded, "a": np.asarray(a).tolist(), "b": float(b),
+                      "devices": [d.id for d in a.sharding.mesh.devices.flat]}))
+''')
+
+
+def test_a_sharded_program_loads_onto_its_own_device_order(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "cache")],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert [o["loaded"] for o in out] == [False, True]
+    assert out[0]["a"] == out[1]["a"] and out[0]["b"] == out[1]["b"]
+    assert out[1]["devices"] == [3, 0, 2, 1]
