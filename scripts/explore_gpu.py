@@ -11,7 +11,9 @@ default was chosen from, each in the same process so ratios are fair:
   against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors (and
   optionally the optimizer on one raveled vector), with the number of kernel-launching
-  instructions in each compiled program.
+  instructions in each compiled program;
+- ``compilecache``: where a compile from the executable cache spends its time (cProfile of a
+  fresh process loading the seed config's three programs).
 
 Usage (GPU)::
 
@@ -40,7 +42,7 @@ import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 
-SECTIONS = ("rollout", "loopform", "rnd", "learner")
+SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache")
 
 
 def _setup(args, backend: str, dtype: str, n: int):
@@ -306,6 +308,57 @@ def section_learner(args, out: dict) -> None:
                 print(f"  learner {dtype} unroll={unroll}: FAILED {row['error']}", flush=True)
             out["rows"].append(row)
         del s, tr, state
+
+
+_LOAD_PROFILE = """
+import cProfile, io, json, pstats, sys, time
+t0 = time.perf_counter()
+from foxhunt_jax.jitcache import enable_compilation_cache
+enable_compilation_cache(sys.argv[1])
+import jax
+from foxhunt_jax.config import load_config
+from foxhunt_jax.training.trainer import Trainer
+jax.devices()
+startup = time.perf_counter() - t0
+cfg = load_config(sys.argv[2], [f"network.dtype={sys.argv[3]}", f"network.backend={sys.argv[4]}"])
+tr = Trainer.build(cfg)
+state = tr.init_state()
+prof = cProfile.Profile()
+prof.enable()
+t0 = time.perf_counter()
+tr.compile(state)
+wall = time.perf_counter() - t0
+prof.disable()
+out = io.StringIO()
+pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+print(json.dumps({"compile_s": wall, "loaded": tr.executables_loaded, "startup_s": startup,
+                  "init_ms": tr.init_ms, "profile": out.getvalue()[-6000:]}))
+"""
+
+
+def section_compilecache(args, out: dict) -> None:
+    """Where the time of a compile from the executable cache goes: one process fills a fresh
+    cache, a second loads from it under cProfile."""
+    import os
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    with tempfile.TemporaryDirectory(prefix="foxhunt-explore-cache-") as cache:
+        runs = []
+        for _ in range(2):
+            r = subprocess.run([sys.executable, "-c", _LOAD_PROFILE, cache, args.config,
+                                "bfloat16", "xla"], capture_output=True, text=True, env=env,
+                               timeout=max(args._deadline - time.perf_counter(), 10))
+            if r.returncode != 0:
+                out["error"] = r.stderr[-1500:]
+                return
+            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    out["fill"], out["load"] = runs
+    for name, r in zip(("fill", "load"), runs):
+        print(f"  {name}: compile {r['compile_s']:.2f} s, loaded {r['loaded']}/3, startup "
+              f"{r['startup_s']:.2f} s, init {r['init_ms'] / 1e3:.2f} s", flush=True)
+    print(runs[1]["profile"], flush=True)
 
 
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
