@@ -117,12 +117,15 @@ _HIT = "/jax/compilation_cache/cache_hits"
 
 def _compile_watching_xla_cache(jitted, args):
     """``jitted.lower(*args).compile()`` and whether JAX's persistent cache served it."""
+    import threading
+
     from jax import monitoring
 
-    hits = []
+    hits, me = [], threading.get_ident()
 
     def listen(event, **kwargs):
-        if event == _HIT:
+        # JAX records the event in the compiling thread; other threads may compile meanwhile
+        if event == _HIT and threading.get_ident() == me:
             hits.append(event)
 
     monitoring.register_event_listener(listen)
@@ -136,6 +139,10 @@ def _compile_watching_xla_cache(jitted, args):
 def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     """``jitted.lower(*args).compile()``, through the executable cache when it is on.
 
+    ``jitted`` may also be a function of no arguments that returns the jitted function, called
+    only when the program must be compiled (for work such as an ``eval_shape`` that a cache hit
+    makes unnecessary).
+
     Returns ``(compiled, loaded)``: ``loaded`` is True when the executable came from the cache.
     A cache entry that cannot be read (another JAX build, a damaged file) is compiled again and
     overwritten; entries are written atomically (temporary file, then rename). A program that
@@ -146,8 +153,9 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     import jax
     from jax.experimental import serialize_executable
 
+    make = jitted if not hasattr(jitted, "lower") else (lambda: jitted)
     if _executables is None or jax.process_count() > 1:
-        return jitted.lower(*args).compile(), False
+        return make().lower(*args).compile(), False
     path = _executables / f"{name}-{cache_key(name, config, args)[:40]}.pkl"
     if path.exists():
         try:
@@ -160,7 +168,7 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
         except Exception as e:  # noqa: BLE001 - any unreadable entry is recompiled
             warnings.warn(f"executable cache: could not load {path.name} ({type(e).__name__}: "
                           f"{e}); compiling again")
-    compiled, from_xla_cache = _compile_watching_xla_cache(jitted, args)
+    compiled, from_xla_cache = _compile_watching_xla_cache(make(), args)
     if from_xla_cache:
         # An executable JAX loaded from its persistent cache does not serialize whole on every
         # platform (on the CPU the copy lacks its fused functions and fails when run), so only

@@ -12,8 +12,8 @@ default was chosen from, each in the same process so ratios are fair:
 - ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors (and
   optionally the optimizer on one raveled vector), with the number of kernel-launching
   instructions in each compiled program;
-- ``compilecache``: where a compile from the executable cache spends its time (cProfile of a
-  fresh process loading the seed config's three programs).
+- ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
+  cold and from the executable cache (cProfile of the cached one).
 
 Usage (GPU)::
 
@@ -326,7 +326,7 @@ state = tr.init_state()
 prof = cProfile.Profile()
 prof.enable()
 t0 = time.perf_counter()
-tr.compile(state)
+tr.compile(state, threads=sys.argv[5] == "parallel")
 wall = time.perf_counter() - t0
 prof.disable()
 out = io.StringIO()
@@ -337,28 +337,34 @@ print(json.dumps({"compile_s": wall, "loaded": tr.executables_loaded, "startup_s
 
 
 def section_compilecache(args, out: dict) -> None:
-    """Where the time of a compile from the executable cache goes: one process fills a fresh
-    cache, a second loads from it under cProfile."""
+    """The trainer's compile, sequential against three threads: each fills a fresh cache (cold
+    compile) in one process and loads from it in a second (under cProfile)."""
     import os
     import subprocess
     import tempfile
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    with tempfile.TemporaryDirectory(prefix="foxhunt-explore-cache-") as cache:
-        runs = []
-        for _ in range(2):
-            r = subprocess.run([sys.executable, "-c", _LOAD_PROFILE, cache, args.config,
-                                "bfloat16", "xla"], capture_output=True, text=True, env=env,
-                               timeout=max(args._deadline - time.perf_counter(), 10))
-            if r.returncode != 0:
-                out["error"] = r.stderr[-1500:]
-                return
-            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    out["fill"], out["load"] = runs
-    for name, r in zip(("fill", "load"), runs):
-        print(f"  {name}: compile {r['compile_s']:.2f} s, loaded {r['loaded']}/3, startup "
-              f"{r['startup_s']:.2f} s, init {r['init_ms'] / 1e3:.2f} s", flush=True)
-    print(runs[1]["profile"], flush=True)
+    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
+    for mode in ("sequential", "parallel"):
+        with tempfile.TemporaryDirectory(prefix="foxhunt-explore-cache-") as cache:
+            for step in ("fill", "load"):
+                left = args._deadline - time.perf_counter()
+                if left < 20:
+                    out.setdefault("skipped", []).append(f"{mode} {step}")
+                    continue
+                r = subprocess.run([sys.executable, "-c", _LOAD_PROFILE, cache, args.config,
+                                    dtype, backend, mode], capture_output=True, text=True,
+                                   env=env, timeout=left)
+                if r.returncode != 0:
+                    out[f"{mode}_{step}"] = {"error": r.stderr[-1500:]}
+                    print(f"  {mode} {step}: FAILED {r.stderr[-500:]}", flush=True)
+                    continue
+                res = json.loads(r.stdout.strip().splitlines()[-1])
+                out[f"{mode}_{step}"] = res
+                print(f"  {backend}/{dtype} {mode} {step}: compile {res['compile_s']:.2f} s, "
+                      f"loaded {res['loaded']}/3, init {res['init_ms'] / 1e3:.2f} s", flush=True)
+                if step == "load":
+                    print("\n".join(res["profile"].splitlines()[:18]), flush=True)
 
 
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:

@@ -33,10 +33,12 @@ def _strip(rec):
 
 
 def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
-    # an atom support no other run used (every phase's program holds it): XLA compiles the
-    # programs here (a program JAX's persistent cache served is not stored, see the next test)
-    v_max = 10.0 + float(np.random.default_rng().random())
-    cfg = load_config("smoke", [f"network.v_max={v_max!r}"])
+    # an atom support and a head width no other run used (every program holds one of them):
+    # XLA compiles the programs here (a program JAX's persistent cache served is not stored,
+    # see the next test)
+    rng = np.random.default_rng()
+    v_max, head = 10.0 + float(rng.random()), int(rng.integers(17, 48))
+    cfg = load_config("smoke", [f"network.v_max={v_max!r}", f"network.head={head}"])
     runs = []
     for _ in range(2):
         tr = Trainer.build(cfg)
@@ -51,7 +53,7 @@ def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
     (loaded0, recs0, params0), (loaded1, recs1, params1) = runs
     assert (loaded0, loaded1) == (0, 3)
     assert sorted(p.name.split("-")[0] for p in exe_dir.iterdir()) == [
-        "experience", "training", "validation"]
+        "experience", "init_agent", "init_state", "training", "validation"]
     assert recs0 == recs1
     jax.tree.map(np.testing.assert_array_equal, params0, params1)
 

@@ -15,6 +15,7 @@ count.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,19 +192,27 @@ class Trainer:
         key = jax.random.PRNGKey(self.cfg.train.seed if seed is None else seed)
         tr, lr, cfg = self.env_params["train"], self.learner, self.cfg
         local = parallel.local_device(self.mesh)
-        agent = jax.jit(lambda p, k: initial_agent(lr, p, k))(
-            parallel.local_view(tr, local), jax.device_put(key, local))
-        agent = parallel.put_replicated(agent, self.mesh)
+        args = (parallel.local_view(tr, local), jax.device_put(key, local))
+        # both programs go through the executable cache, as the phases do (compile_cached)
+        make_agent, _ = compile_cached(jax.jit(lambda p, k: initial_agent(lr, p, k)), args,
+                                       name="init_agent", config=cfg)
+        agent = parallel.put_replicated(make_agent(*args), self.mesh)
         build = lambda p, k, a: initial_state(lr, cfg, p, k, a)
-        out = self.shardings(jax.eval_shape(build, tr, key, agent))
+        args = (tr, parallel.put_replicated(key, self.mesh), agent)
         # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
-        init = jax.jit(build, out_shardings=out)
-        state = jax.block_until_ready(init(tr, parallel.put_replicated(key, self.mesh), agent))
+        init, _ = compile_cached(
+            lambda: jax.jit(build, out_shardings=self.shardings(jax.eval_shape(build, *args))),
+            args, name="init_state", config=cfg)
+        state = jax.block_until_ready(init(*args))
         self.init_ms += (time.perf_counter() - t0) * 1e3
         return state
 
-    def compile(self, state: TrainerState) -> None:
-        """Ahead-of-time compilation of the three phase functions (timed as Compile)."""
+    def compile(self, state: TrainerState, threads: bool = True) -> None:
+        """Ahead-of-time compilation of the three phase functions (timed as Compile).
+
+        ``threads``: the three programs are traced, compiled (or loaded from the executable
+        cache) in three threads at once; XLA's compiler and the loading release the GIL.
+        """
         t0 = time.perf_counter()
         lr, cfg = self.learner, self.cfg
         tr, va = self.env_params["train"], self.env_params["validation"]
@@ -221,12 +230,16 @@ class Trainer:
         programs = {"experience": (exp, (tr, state, scalar)),
                     "training": (trn, (tr, state, scalar)),
                     "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
-        self._phases, self.executables_loaded = {}, 0
-        for name, (fn, args) in programs.items():
-            # the executable cache (jitcache) skips tracing and lowering when a previous process
-            # compiled the same program; with the cache off this is lower().compile()
-            self._phases[name], loaded = compile_cached(fn, args, name=name, config=cfg)
-            self.executables_loaded += int(loaded)
+        # the executable cache (jitcache) skips tracing and lowering when a previous process
+        # compiled the same program; with the cache off this is lower().compile()
+        build = lambda name: compile_cached(*programs[name], name=name, config=cfg)  # noqa: E731
+        if threads:
+            with ThreadPoolExecutor(max_workers=len(programs)) as pool:
+                done = dict(zip(programs, pool.map(build, programs)))
+        else:
+            done = {name: build(name) for name in programs}
+        self._phases = {name: compiled for name, (compiled, _) in done.items()}
+        self.executables_loaded = sum(int(loaded) for _, loaded in done.values())
         self.compile_ms = (time.perf_counter() - t0) * 1e3
 
     def run_epoch(self, state: TrainerState) -> tuple[TrainerState, dict]:
