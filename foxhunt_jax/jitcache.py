@@ -146,8 +146,8 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     Returns ``(compiled, loaded)``: ``loaded`` is True when the executable came from the cache.
     A cache entry that cannot be read (another JAX build, a damaged file) is compiled again and
     overwritten; entries are written atomically (temporary file, then rename). A program that
-    JAX's persistent cache served is not stored (see :func:`_compile_watching_xla_cache`). Off a single
-    process (multi-host runs) the cache is not used: every process must compile the same
+    JAX's persistent cache served is not stored (see :func:`_compile_watching_xla_cache`). Off a
+    single process (multi-host runs) the cache is not used: every process must compile the same
     collective program.
     """
     import jax
@@ -174,6 +174,7 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
         # platform (on the CPU the copy lacks its fused functions and fails when run), so only
         # programs XLA compiled here are kept.
         return compiled, False
+    tmp = None
     try:
         device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
         blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
@@ -182,6 +183,10 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)
+        tmp = None
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs time
         warnings.warn(f"executable cache: not saving {name} ({type(e).__name__}: {e})")
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return compiled, False
