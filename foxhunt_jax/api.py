@@ -44,6 +44,15 @@ def phase_line(rec: dict, epochs: int) -> str:
             f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
 
 
+def compile_line(rec: dict, trainer: Trainer) -> str:
+    """How the phase programs were obtained: compiled, or loaded from the executable cache."""
+    ms, loaded = rec["phase_ms"], trainer.executables_loaded
+    how = (f"{loaded} of 3 loaded from the executable cache" if loaded
+           else "compiled; none was in the executable cache")
+    return (f"phase programs ready in {ms['compile'] / 1e3:.1f} s ({how}); state init "
+            f"{ms['init'] / 1e3:.1f} s")
+
+
 def _check_finite(state: TrainerState, rec: dict) -> None:
     epoch = rec["epoch"]
     if not np.isfinite(rec["loss"]):
@@ -104,6 +113,8 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
         while int(state.epoch) < epochs:
             state, rec = trainer.run_epoch(state)
             _check_finite(state, rec)
+            if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
+                (bar.console.print if bar else log)(compile_line(rec, trainer))
             history.append(rec)
             if writer is not None:
                 writer.log(rec)
