@@ -10,8 +10,8 @@ Two levels, both under one folder (``FOXHUNT_JAX_CACHE=DIR``, default
 - An executable cache (``DIR/executables``, :func:`compile_cached`): the serialized compiled
   executable of each trainer phase, keyed by what determines the program: the config, the
   argument shapes, dtypes and placements, the JAX version, the devices and a digest of this
-  package's source files (and the versions of JAX, Flax and optax, JAX's lowering flags and
-  ``XLA_FLAGS``). A hit skips tracing, lowering and compiling altogether.
+  package's source files (and the versions of JAX, Flax and optax, the platform's build, JAX's
+  lowering flags and ``XLA_FLAGS``). A hit skips tracing, lowering and compiling altogether.
 
 Library users who import foxhunt_jax keep their own JAX settings: only the CLI, the benchmark and
 the test suite call :func:`enable_compilation_cache`; without it :func:`compile_cached` simply
@@ -106,7 +106,8 @@ def cache_key(name: str, config: Any, args) -> str:
              "versions": [jax.__version__, jaxlib.__version__, flax.__version__,
                           optax.__version__],
              "jax_flags": flags, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-             "backend": jax.default_backend(),
+             # the platform build (CUDA version etc. of the GPU plugin), not only jaxlib's
+             "backend": [jax.default_backend(), devices[0].client.platform_version],
              "devices": [(d.id, getattr(d, "device_kind", "")) for d in devices],
              "source": source_digest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
