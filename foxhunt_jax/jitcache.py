@@ -12,6 +12,9 @@ Two levels, both under one folder (``FOXHUNT_JAX_CACHE=DIR``, default
   argument shapes, dtypes and placements, the JAX version, the devices and a digest of this
   package's source files (and the versions of JAX, Flax and optax, the platform's build, JAX's
   lowering flags and ``XLA_FLAGS``). A hit skips tracing, lowering and compiling altogether.
+  The folder keeps at most ``MAX_CACHE_BYTES`` (1 GiB; ``FOXHUNT_JAX_EXECUTABLE_CACHE_MB``),
+  dropping the least recently used entries, since stale keys (old code, old versions) are never
+  hit again.
 
 Library users who import foxhunt_jax keep their own JAX settings: only the CLI, the benchmark and
 the test suite call :func:`enable_compilation_cache`; without it :func:`compile_cached` simply
@@ -36,6 +39,9 @@ _ROOT = Path(__file__).resolve().parent.parent
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
               "jax_default_prng_impl", "jax_numpy_rank_promotion")
 _executables: Path | None = None  # set by enable_compilation_cache
+# Most bytes the executable cache keeps; the least recently used entries go first
+# (FOXHUNT_JAX_EXECUTABLE_CACHE_MB overrides).
+MAX_CACHE_BYTES = 1 << 30
 
 
 def enable_compilation_cache(path: str | None = None, executables: bool = True) -> str | None:
@@ -113,6 +119,26 @@ def cache_key(name: str, config: Any, args) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _max_bytes() -> int:
+    mb = os.environ.get("FOXHUNT_JAX_EXECUTABLE_CACHE_MB")
+    return int(float(mb) * (1 << 20)) if mb else MAX_CACHE_BYTES
+
+
+def evict(folder: Path, max_bytes: int) -> list[Path]:
+    """Deletes the least recently used entries (oldest modification time; a load touches its
+    entry) until the folder's entries take at most ``max_bytes``; returns what was deleted."""
+    entries = sorted(folder.glob("*.pkl"), key=lambda f: f.stat().st_mtime)
+    total = sum(f.stat().st_size for f in entries)
+    gone = []
+    for f in entries:
+        if total <= max_bytes:
+            break
+        total -= f.stat().st_size
+        f.unlink(missing_ok=True)
+        gone.append(f)
+    return gone
+
+
 _HIT = "/jax/compilation_cache/cache_hits"
 
 
@@ -164,8 +190,10 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
             # the program's own device order (a mesh need not list devices by id)
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in device_ids]
-            return serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=devices), True
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=devices)
+            os.utime(path)  # recently used: evicted last
+            return compiled, True
         except Exception as e:  # noqa: BLE001 - any unreadable entry is recompiled
             warnings.warn(f"executable cache: could not load {path.name} ({type(e).__name__}: "
                           f"{e}); compiling again")
@@ -185,6 +213,7 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
             f.write(blob)
         os.replace(tmp, path)
         tmp = None
+        evict(path.parent, _max_bytes())
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs time
         warnings.warn(f"executable cache: not saving {name} ({type(e).__name__}: {e})")
     finally:

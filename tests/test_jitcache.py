@@ -105,6 +105,21 @@ def test_programs_served_by_the_xla_cache_are_not_stored(exe_dir):
     np.testing.assert_allclose(c(x, y), _tiny()(x, y))
 
 
+def test_least_recently_used_entries_are_evicted(tmp_path):
+    import os
+    import time
+
+    for i, name in enumerate(("a", "b", "c")):
+        f = tmp_path / f"{name}.pkl"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))  # a oldest, c newest
+    os.utime(tmp_path / "a.pkl")  # a was just loaded
+    gone = jitcache.evict(tmp_path, 200)
+    assert [f.name for f in gone] == ["b.pkl"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.pkl", "c.pkl"]
+    assert jitcache.evict(tmp_path, 200) == []
+
+
 def test_cache_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(jitcache, "_executables", None)
     c, loaded = jitcache.compile_cached(_tiny(), (jnp.ones((2, 3)), jnp.ones((3, 1))),
