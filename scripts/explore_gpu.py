@@ -9,9 +9,9 @@ default was chosen from, each in the same process so ratios are fair:
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
-- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors (and
-  optionally the optimizer on one raveled vector), with the number of kernel-launching
-  instructions in each compiled program;
+- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors and
+  variants (optimizer per tensor, curiosity off, one online forward over s and s'), with the
+  number of kernel-launching instructions in each compiled program;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one).
 
@@ -246,8 +246,21 @@ def kernel_count(compiled_text: str) -> int:
     return sum(1 for line in compiled_text.splitlines() if _LAUNCH.search(line))
 
 
+def _concat_online_loss(learner, params, target_params, obs, next_obs, action, returns,
+                        discount):
+    """per_sample_loss with the two online forwards as one over ``[2M, D]`` rows."""
+    from foxhunt_jax.agent.loss import c51_double_q_loss
+
+    m = obs.shape[0]
+    both = learner.network.apply(params, jnp.concatenate([obs, next_obs]))
+    target_next = learner.network.apply(target_params, next_obs)
+    return c51_double_q_loss(tuple(x[:m] for x in both), tuple(x[m:] for x in both),
+                             target_next, action, returns, discount, learner.support)
+
+
 def section_learner(args, out: dict) -> None:
     """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
+    from foxhunt_jax.agent import learner as learner_mod
     from foxhunt_jax.agent.learner import learner_step
     from foxhunt_jax.env import trading
     from foxhunt_jax.training.trainer import experience_phase
@@ -271,12 +284,17 @@ def section_learner(args, out: dict) -> None:
                 continue
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
                    "unroll": unroll, "variant": variant}
-            learner, agent = s.learner, state.agent
-            if variant == "flat_adam":  # the optimizer chain on one raveled parameter vector
-                learner = dataclasses.replace(learner, optimizer=optax.flatten(learner.optimizer))
+            learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
+            if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
+                t = s.cfg.train
+                learner = dataclasses.replace(learner, optimizer=optax.chain(
+                    optax.clip_by_global_norm(t.max_grad_norm),
+                    optax.adam(t.learning_rate, eps=t.adam_eps)))
                 agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
             elif variant == "no_rnd":  # curiosity off: no RND predictor update in the step
                 agent = agent.replace(rnd=None)
+            elif variant == "concat_online":  # online(s) and online(s') as one forward
+                loss = _concat_online_loss
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner):
                     def body(c, kk):
@@ -287,8 +305,14 @@ def section_learner(args, out: dict) -> None:
                                               unroll=_u)
                     return a, b, jnp.mean(ls)
                 t0 = time.perf_counter()
-                compiled = jax.jit(steps).lower(agent, state.buffer,
-                                                jax.random.key(1)).compile()
+                # a candidate loss form is swapped in for this trace only (the library is
+                # unchanged until a variant wins, measured)
+                real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
+                try:
+                    compiled = jax.jit(steps).lower(agent, state.buffer,
+                                                    jax.random.key(1)).compile()
+                finally:
+                    learner_mod.per_sample_loss = real
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
@@ -402,7 +426,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
-                    help="base, flat_adam (optax.flatten around the optimizer chain), no_rnd")
+                    help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
+                         "no_rnd, concat_online (one online forward over s and s')")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick
