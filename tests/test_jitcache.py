@@ -28,17 +28,26 @@ def exe_dir(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.fixture
+def fresh_xla_cache(tmp_path):
+    """An empty JAX persistent cache for this test (XLA compiles every program here; a program
+    that the suite's shared cache served would not be stored), the suite's restored after."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    old = jax.config.jax_compilation_cache_dir
+    cc.set_cache_dir(str(tmp_path / "xla"))
+    cc.reset_cache()
+    yield
+    cc.set_cache_dir(old)
+    cc.reset_cache()
+
+
 def _strip(rec):
     return {k: v for k, v in rec.items() if k != "phase_ms"}
 
 
-def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
-    # an atom support and a head width no other run used (every program holds one of them):
-    # XLA compiles the programs here (a program JAX's persistent cache served is not stored,
-    # see the next test)
-    rng = np.random.default_rng()
-    v_max, head = 10.0 + float(rng.random()), int(rng.integers(17, 48))
-    cfg = load_config("smoke", [f"network.v_max={v_max!r}", f"network.head={head}"])
+def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir, fresh_xla_cache):
+    cfg = load_config("smoke")
     runs = []
     for _ in range(2):
         tr = Trainer.build(cfg)

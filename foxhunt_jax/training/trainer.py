@@ -321,29 +321,35 @@ class Trainer:
         """
         params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env, split)
         steps, lr, sizes = int(lengths.max()), self.learner, self.cfg.env.branch_sizes
-        starts_d, lengths_d = jnp.asarray(starts), jnp.asarray(lengths)
+        walk = (jnp.asarray(starts), jnp.asarray(lengths))
 
-        @jax.jit
-        def run(env_p, net_params, key):
+        def run(env_p, net_params, key, starts_d, lengths_d):
             return validate.greedy_rollout(lr, net_params, env_p, starts_d, steps, key, lengths_d)
 
-        @jax.jit
-        def run_random(env_p, key):
+        def run_random(env_p, key, starts_d, lengths_d):
             return validate.policy_rollout(env_p, starts_d, steps, validate.random_policy(sizes),
                                            key, lengths_d)
 
-        @jax.jit
-        def run_oracle(env_p, last_log_return):
+        def run_oracle(env_p, last_log_return, starts_d, lengths_d):
             oracle = validate.oracle_policy(last_log_return, self.cfg.env)
             return validate.policy_rollout(env_p, starts_d, steps, oracle, jax.random.key(0),
                                            lengths_d)
 
-        paths = {"agent": validate.equity_paths(run(params, agent.params, jax.random.key(seed)))}
+        def walk_with(name, fn, *args):
+            # every array is an argument, so the program is fixed by the config, the walk's
+            # length and the argument shapes: the executable cache can serve it
+            compiled, _ = compile_cached(jax.jit(fn), args, name=f"evaluate_{name}",
+                                         config={"config": self.cfg, "steps": steps})
+            return validate.equity_paths(compiled(*args))
+
+        paths = {"agent": walk_with("agent", run, params, agent.params, jax.random.key(seed),
+                                    *walk)}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
-            paths["oracle"] = validate.equity_paths(
-                run_oracle(params, jnp.asarray(self.tables.last_log_return)))
+            paths["oracle"] = walk_with("oracle", run_oracle, params,
+                                        jnp.asarray(self.tables.last_log_return), *walk)
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables.close, starts, lengths,
                                                             self.cfg.env.cost_bps / 1e4)
-        paths["random"] = validate.equity_paths(run_random(params, jax.random.key(seed + 1)))
+        paths["random"] = walk_with("random", run_random, params, jax.random.key(seed + 1),
+                                    *walk)
         return {name: {"metrics": self._metrics(p), "curve": np.nanmean(p["equity"], axis=0)}
                 for name, p in paths.items()}
