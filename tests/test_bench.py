@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +160,26 @@ def test_argument_parsing_and_cli_entry():
     assert args._run is cmd_bench and args.quick and args.sections == "device"
     with pytest.raises(SystemExit, match="unknown section"):
         bench.main(["--quick", "--sections", "gpu"])
+
+
+def test_explore_script_quick_run_writes_every_section(tmp_path):
+    """scripts/explore_gpu.py (the side-by-side GPU variants) on tiny sizes: every row it
+    produces is a finite time, none failed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "explore_gpu", Path(__file__).resolve().parent.parent / "scripts" / "explore_gpu.py")
+    explore = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(explore)
+    out = tmp_path / "explore.json"
+    res = explore.main(["--quick", "--sections", "rollout,rnd,learner", "--json", str(out),
+                        "--unrolls", "1", "--learner-dtypes", "float32",
+                        "--learner-variants", "base,concat_online"])
+    saved = json.loads(out.read_text())
+    assert set(saved) == {"meta", "rollout", "rnd", "learner"}
+    rows = [r for name in ("rollout", "rnd", "learner") for r in res[name]["rows"]]
+    assert rows and not [r for r in rows if "error" in r]
+    assert all(r["ms"] > 0 for r in rows)
+    assert {r["variant"] for r in res["learner"]["rows"]} == {"base", "concat_online"}
+    assert all(r["kernels_in_program"] > 0 for r in res["learner"]["rows"])
+    assert res["rnd"]["rows"][0]["max_rel_err_fresh"] < 1e-5  # f32 HIGHEST against float64
