@@ -326,7 +326,8 @@ def default_config(dtype: str) -> KernelConfig:
     return DEFAULT_CONFIGS[dtype]
 
 
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
+    """Whether JAX's default backend is a CUDA GPU (where the kernels compile with Triton)."""
     return jax.default_backend() in ("gpu", "cuda")
 
 
@@ -342,7 +343,7 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
     """``pl.pallas_call`` over a 1-D grid: Triton-compiled on a CUDA GPU with ``config``'s warps
     and stages, interpreted elsewhere (``interpret=None`` decides by the platform)."""
     if interpret is None:
-        interpret = not _on_cuda()
+        interpret = not on_cuda()
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
@@ -428,6 +429,6 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "forward_rows", "launch", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
-           "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
-           "forward_flops"]
+__all__ = ["fused_q_forward", "forward_rows", "launch", "on_cuda", "operand_names", "pack_params",
+           "make_plan", "Plan", "KernelConfig", "DEFAULT_CONFIGS", "default_config", "LAYOUTS",
+           "chunks", "block_rows_for", "forward_flops"]

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from foxhunt_jax.agent.network import apply_draws
 from foxhunt_jax.env import trading
 from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, block_rows_for,
                                       default_config, forward_rows, launch, make_plan,
@@ -90,8 +91,7 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
         xs = observe(state, port)
         actions = forward_rows(plan, cd, layout, ops, xs, z)
         if explore:
-            actions = [jnp.where(r >= 0, r, a) for r, a in
-                       ((draws_ref[t, d, :], a) for d, a in enumerate(actions))]
+            actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(actions)]
         new, reward, term, trunc, info = trading.advance(state, tuple(actions), params)
         next_port = trading.portfolio_features(new, params)
         if mode == "evaluate":
@@ -108,13 +108,7 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
             out_i_ref[t, len(OUT_I) + d, :] = a
         if mode == "collect":  # auto-reset at a pre-drawn start bar
             done = term | trunc
-            fresh = trading.EnvState(
-                bar=resets_ref[t, :], step=jnp.zeros_like(new.step),
-                equity=jnp.ones_like(new.equity), cash=jnp.ones_like(new.cash),
-                units=jnp.zeros_like(new.units), exposure=jnp.zeros_like(new.exposure),
-                entry_price=jnp.zeros_like(new.entry_price), tp_price=jnp.zeros_like(new.tp_price),
-                sl_price=jnp.zeros_like(new.sl_price),
-                time_in_trade=jnp.zeros_like(new.time_in_trade))
+            fresh = trading.fresh_state(resets_ref[t, :])
             state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, new)
             port = jax.tree.map(lambda a, b: jnp.where(done, a, b),
                                 trading.portfolio_features(fresh, params), next_port)

@@ -47,7 +47,7 @@ SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache")
 
 def _setup(args, backend: str, dtype: str, n: int):
     """Trainer pieces for the seed config at N episodes: learner, env params, agent, rollout."""
-    from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.agent.learner import init_agent
     from foxhunt_jax.data.loader import load_market
     from foxhunt_jax.training import collect
     from foxhunt_jax.training.trainer import TRADING_ADAPTER
@@ -58,7 +58,7 @@ def _setup(args, backend: str, dtype: str, n: int):
         args._market = load_market(cfg.data.source, sort=cfg.data.sort,
                                    synthetic=cfg.data.synthetic)
     tr = _build_trainer(cfg, args._market)
-    learner = make_learner(cfg, cfg.env.branch_sizes)
+    learner = tr.learner
     env_p = tr.env_params["train"]
     agent = jax.jit(lambda k: init_agent(k, learner, tr.obs_dim))(jax.random.key(args.seed))
     rollout = jax.jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
@@ -74,8 +74,8 @@ def _timed(fn, reps: int) -> dict:
 
 def section_rollout(args, out: dict) -> None:
     """The rollout kernel under several launch shapes, same inputs, same process."""
-    from foxhunt_jax.agent.network import explore_draws
-    from foxhunt_jax.env import trading
+    from foxhunt_jax.training.collect import step_keys
+    from foxhunt_jax.training.fused import rollout_draws
     from pallas_kernels.q_forward import KernelConfig
     from pallas_kernels.rollout import fused_rollout
 
@@ -87,11 +87,10 @@ def section_rollout(args, out: dict) -> None:
     for mode, n, shapes in cases:
         s = _setup(args, "pallas", "bfloat16", n)
         net = s.learner.network
-        keys = jax.random.split(jax.random.key(args.seed + 2), L)
-        draws = jax.jit(jax.vmap(lambda k: explore_draws(k, n, net.branch_sizes,
-                                                         jnp.float32(0.1))))(keys)
-        start_v = jax.vmap(trading.start_bar, in_axes=(0, None))
-        resets = jax.jit(jax.vmap(lambda k: start_v(jax.random.split(k, n), s.env_p)))(keys)
+        # the draws a collection call makes, outside the timed kernel
+        draws, resets = jax.jit(lambda p, k: rollout_draws(
+            net.branch_sizes, p, step_keys(k, L), n, jnp.float32(0.1)))(
+                s.env_p, jax.random.key(args.seed + 2))
         state = s.rollout.env_state
         reps = 3 if n >= (1 << 18) else args.reps
         runs = [(shape, fused_rollout, "") for shape in shapes]

@@ -190,7 +190,7 @@ def test_rollout_arguments_are_checked(tables):
 
 def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
     """Pallas -> Triton lowering of both modes at the default network width (no GPU needed)."""
-    monkeypatch.setattr(qf, "_on_cuda", lambda: True)
+    monkeypatch.setattr(qf, "on_cuda", lambda: True)
     cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
     params = trading.make_params(tables, cfg.env, "train")
     learner = make_learner(cfg, cfg.env.branch_sizes)

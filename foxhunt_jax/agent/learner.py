@@ -86,10 +86,11 @@ def resolve_backend(net_cfg) -> str:
     """``network.backend`` with ``"auto"`` decided: ``"pallas"`` on a CUDA GPU when the network
     computes in bfloat16 (the kernels win there, BENCHMARKS.md), else ``"xla"`` (the float32
     kernel loses to XLA on a GPU, and off a GPU the kernels only run interpreted)."""
+    from pallas_kernels.q_forward import on_cuda
+
     if net_cfg.backend != "auto":
         return net_cfg.backend
-    on_gpu = jax.default_backend() in ("gpu", "cuda")
-    return "pallas" if on_gpu and net_cfg.dtype == "bfloat16" else "xla"
+    return "pallas" if on_cuda() and net_cfg.dtype == "bfloat16" else "xla"
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:

@@ -179,14 +179,22 @@ def decode(enc: dict, params: EnvParams) -> jax.Array:
 # Reset and step
 
 
+def fresh_state(bar: jax.Array) -> EnvState:
+    """A fresh flat episode at global bar ``bar`` (any batch shape; every field shaped like it).
+
+    The one definition of a starting state: :func:`reset_at` and the fused rollout kernel's
+    auto-reset both build it here."""
+    bar = jnp.asarray(bar, jnp.int32)
+    zero = jnp.zeros(bar.shape, jnp.float32)
+    one = jnp.ones(bar.shape, jnp.float32)
+    izero = jnp.zeros(bar.shape, jnp.int32)
+    return EnvState(bar=bar, step=izero, equity=one, cash=one, units=zero, exposure=zero,
+                    entry_price=zero, tp_price=zero, sl_price=zero, time_in_trade=izero)
+
+
 def reset_at(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
     """A fresh flat episode at global bar ``bar`` -> (obs [D], state)."""
-    zero = jnp.zeros((), jnp.float32)
-    one = jnp.ones((), jnp.float32)
-    izero = jnp.zeros((), jnp.int32)
-    state = EnvState(bar=jnp.asarray(bar, jnp.int32), step=izero, equity=one, cash=one,
-                     units=zero, exposure=zero, entry_price=zero, tp_price=zero, sl_price=zero,
-                     time_in_trade=izero)
+    state = fresh_state(bar)
     return observation(state, params), state
 
 
@@ -371,8 +379,9 @@ def rollout(key: jax.Array, params: EnvParams, policy_fn: Callable, num_episodes
 
 
 __all__ = [
-    "EnvParams", "EnvState", "make_params", "reset", "reset_at", "start_bar", "step_env",
-    "advance", "step", "observation", "portfolio_obs", "portfolio_features", "obs_from", "obs_dim", "branch_sizes", "num_branches",
+    "EnvParams", "EnvState", "make_params", "reset", "reset_at", "fresh_state", "start_bar",
+    "step_env", "advance", "step", "observation", "portfolio_obs", "portfolio_features",
+    "obs_from", "obs_dim", "branch_sizes", "num_branches",
     "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
     "STOP_LOSS", "TIME",
 ]

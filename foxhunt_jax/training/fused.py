@@ -4,10 +4,10 @@ With ``network.backend=pallas``, :func:`foxhunt_jax.training.collect.trajectory`
 :func:`foxhunt_jax.training.validate.greedy_rollout` run their whole timestep loop in one kernel
 (:func:`pallas_kernels.rollout.fused_rollout`) instead of a ``lax.scan`` that launches several
 kernels per step, up to :data:`MAX_KERNEL_EPISODES` episodes (above it, the scan with the fused
-Q-forward is faster; :func:`use_rollout_kernel`). This module only adapts arguments and results: the random draws come from the
-same keys and functions as in the scan (``collect.step_keys``, ``explore_draws``,
-``trading.start_bar``) and the results have the scan's layout, so the two backends are
-interchangeable and tested equal.
+Q-forward is faster; :func:`use_rollout_kernel`). This module only adapts arguments and
+results: the random draws come from the same keys and functions as in the scan
+(``collect.step_keys``, ``explore_draws``, ``trading.start_bar``; :func:`rollout_draws`) and
+the results have the scan's layout, so the two backends are interchangeable and tested equal.
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ def use_rollout_kernel(learner, num_episodes: int) -> bool:
     return learner.net_cfg.backend == "pallas" and num_episodes <= MAX_KERNEL_EPISODES
 
 
+def rollout_draws(branch_sizes, env_params, keys: jax.Array, num_episodes: int, epsilon):
+    """The per-step random draws of a collection rollout, from ``keys [L, 3]``
+    (:func:`~foxhunt_jax.training.collect.step_keys`), as the scan draws them: exploration
+    ``[L, N, B]`` int32 (:func:`~foxhunt_jax.agent.network.explore_draws`, -1 = greedy) and
+    reset start bars ``[L, N]`` int32 (:func:`~foxhunt_jax.env.trading.start_bar`)."""
+    n = num_episodes
+    draws = jax.vmap(lambda k: explore_draws(k, n, branch_sizes, epsilon))(keys[:, 0])
+    start_v = jax.vmap(trading.start_bar, in_axes=(0, None))
+    reset_bars = jax.vmap(lambda k: start_v(jax.random.split(k, n), env_params))(keys[:, 2])
+    return draws, reset_bars
+
+
 def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Array, epsilon,
                        num_steps: int):
     """The ``fused`` backend of :func:`foxhunt_jax.training.collect.trajectory` for the trading
@@ -40,10 +52,8 @@ def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Arr
     from pallas_kernels.rollout import fused_rollout, portfolio
 
     net = learner.network
-    n = rollout.obs.shape[0]
-    draws = jax.vmap(lambda k: explore_draws(k, n, net.branch_sizes, epsilon))(keys[:, 0])
-    start_v = jax.vmap(trading.start_bar, in_axes=(0, None))
-    reset_bars = jax.vmap(lambda k: start_v(jax.random.split(k, n), env_params))(keys[:, 2])
+    draws, reset_bars = rollout_draws(net.branch_sizes, env_params, keys, rollout.obs.shape[0],
+                                      epsilon)
     out, end = fused_rollout(agent_params, net, learner.support, env_params, rollout.env_state,
                              num_steps, mode="collect", draws=draws, reset_bars=reset_bars)
     traj = {"obs": {"bar": out["bar"], "portfolio": portfolio(out)},
@@ -67,4 +77,5 @@ def evaluate_trajectory(learner, agent_params, env_params, starts: jax.Array, nu
                 step=jnp.arange(num_steps, dtype=jnp.int32)[:, None])
 
 
-__all__ = ["collect_trajectory", "evaluate_trajectory", "use_rollout_kernel", "MAX_KERNEL_EPISODES"]
+__all__ = ["collect_trajectory", "evaluate_trajectory", "rollout_draws", "use_rollout_kernel",
+           "MAX_KERNEL_EPISODES"]
