@@ -13,7 +13,9 @@ default was chosen from, each in the same process so ratios are fair:
   variants (optimizer per tensor, curiosity off, one online forward over s and s'), with the
   number of kernel-launching instructions in each compiled program;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
-  cold and from the executable cache (cProfile of the cached one).
+  cold and from the executable cache (cProfile of the cached one);
+- ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
+  it gives, under each set of XLA flags (``--compile-flag-sets``), each in a fresh process.
 
 Usage (GPU)::
 
@@ -42,7 +44,7 @@ import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 
-SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache")
+SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts")
 
 
 def _setup(args, backend: str, dtype: str, n: int):
@@ -390,6 +392,85 @@ def section_compilecache(args, out: dict) -> None:
                     print("\n".join(res["profile"].splitlines()[:18]), flush=True)
 
 
+_COMPILE_BREAKDOWN = """
+import json, statistics, sys, time
+t0 = time.perf_counter()
+import jax
+from foxhunt_jax.config import load_config
+from foxhunt_jax.training.trainer import Trainer
+sys.path.insert(0, sys.argv[5])
+from explore_gpu import kernel_count
+jax.devices()
+startup = time.perf_counter() - t0
+cfg = load_config(sys.argv[1], [f"network.dtype={sys.argv[2]}", f"network.backend={sys.argv[3]}"])
+tr = Trainer.build(cfg)
+t0 = time.perf_counter()
+state = tr.init_state()
+init_s = time.perf_counter() - t0
+rows, phases = {}, {}
+for name, (fn, args) in tr.phase_programs(state).items():
+    t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    phases[name] = lowered.compile()
+    rows[name] = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
+                  "kernels": kernel_count(phases[name].as_text())}
+tr._phases = phases
+ms = {"experience": [], "training": [], "validation": [], "total": []}
+for e in range(int(sys.argv[4]) + 3):
+    state, rec = tr.run_epoch(state)
+    if e >= 3:
+        for k in ("experience", "training", "validation"):
+            ms[k].append(rec["phase_ms"][k])
+        ms["total"].append(sum(rec["phase_ms"][k] for k in ("experience", "training", "validation")))
+print(json.dumps({"startup_s": startup, "init_s": init_s, "programs": rows,
+                  "epoch_ms": {k: statistics.median(v) for k, v in ms.items()},
+                  "loss": rec["loss"], "finite": rec["finite_params"]}))
+"""
+
+
+def section_compileopts(args, out: dict) -> None:
+    """Cold compile of the trainer's three programs (no caches), per program (trace and lower,
+    then XLA), and the seed epoch those programs run, under each set of XLA flags, each in a
+    fresh process: what the compile spends its time on, and what each option costs at run time."""
+    import os
+    import subprocess
+
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=str(Path(here).parent), FOXHUNT_JAX_CACHE="off")
+    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
+    epochs = "2" if args.quick else "20"
+    out["rows"] = []
+    for flags in args.compile_flag_sets.split(";"):
+        flags = flags.strip()
+        left = args._deadline - time.perf_counter()
+        if left < 30:
+            out.setdefault("skipped", []).append(flags)
+            continue
+        run_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + flags).strip())
+        row = {"xla_flags": flags}
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run([sys.executable, "-c", _COMPILE_BREAKDOWN, args.config, dtype,
+                                backend, epochs, here], capture_output=True, text=True,
+                               env=run_env, timeout=left)
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr[-1200:])
+            row.update(json.loads(r.stdout.strip().splitlines()[-1]))
+            p = row["programs"]
+            print(f"  [{flags or 'default'}] " + ", ".join(
+                f"{k} lower {v['lower_s']:.1f} + compile {v['compile_s']:.1f} s "
+                f"({v['kernels']} kernels)" for k, v in p.items())
+                + f"; epoch {row['epoch_ms']['total']:.2f} ms (exp "
+                f"{row['epoch_ms']['experience']:.2f}, train {row['epoch_ms']['training']:.2f}, "
+                f"val {row['epoch_ms']['validation']:.2f})", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing flag set is a result, not a stop
+            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+            print(f"  [{flags}] FAILED {row['error']}", flush=True)
+        row["process_s"] = time.perf_counter() - t0
+        out["rows"].append(row)
+
+
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
     """``"128x8,128x8x64"`` -> (rows, warps, max_chunk or None) per launch shape."""
     out = []
@@ -427,6 +508,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-variants", default="base",
                     help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
                          "no_rnd, concat_online (one online forward over s and s')")
+    ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
+                    help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick

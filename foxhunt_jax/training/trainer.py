@@ -207,13 +207,9 @@ class Trainer:
         self.init_ms += (time.perf_counter() - t0) * 1e3
         return state
 
-    def compile(self, state: TrainerState, threads: bool = True) -> None:
-        """Ahead-of-time compilation of the three phase functions (timed as Compile).
-
-        ``threads``: the three programs are traced, compiled (or loaded from the executable
-        cache) in three threads at once; XLA's compiler and the loading release the GIL.
-        """
-        t0 = time.perf_counter()
+    def phase_programs(self, state: TrainerState) -> dict:
+        """The three phase functions, jitted with their placements, and example arguments:
+        ``{name: (jitted, args)}`` for experience, training and validation."""
         lr, cfg = self.learner, self.cfg
         tr, va = self.env_params["train"], self.env_params["validation"]
         # The state keeps its placement from epoch to epoch (so donation reuses its buffers);
@@ -227,9 +223,18 @@ class Trainer:
                       in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         scalar = np.float32(0)
         val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
-        programs = {"experience": (exp, (tr, state, scalar)),
-                    "training": (trn, (tr, state, scalar)),
-                    "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
+        return {"experience": (exp, (tr, state, scalar)),
+                "training": (trn, (tr, state, scalar)),
+                "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
+
+    def compile(self, state: TrainerState, threads: bool = True) -> None:
+        """Ahead-of-time compilation of the three phase functions (timed as Compile).
+
+        ``threads``: the three programs are traced, compiled (or loaded from the executable
+        cache) in three threads at once; XLA's compiler and the loading release the GIL.
+        """
+        t0 = time.perf_counter()
+        programs, cfg = self.phase_programs(state), self.cfg
         # the executable cache (jitcache) skips tracing and lowering when a previous process
         # compiled the same program; with the cache off this is lower().compile()
         build = lambda name: compile_cached(*programs[name], name=name, config=cfg)  # noqa: E731
