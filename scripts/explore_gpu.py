@@ -15,7 +15,9 @@ default was chosen from, each in the same process so ratios are fair:
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
-  it gives, under each set of XLA flags (``--compile-flag-sets``), each in a fresh process.
+  it gives, under each set of XLA flags (``--compile-flag-sets``), each in a fresh process;
+- ``compilesweep``: a second config's compile (another ``network.v_max``) after a first filled the
+  cache folder, under each setting of JAX's XLA-side caches (``--xla-cache-settings``).
 
 Usage (GPU)::
 
@@ -44,7 +46,7 @@ import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 
-SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts")
+SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep")
 
 
 def _setup(args, backend: str, dtype: str, n: int):
@@ -471,6 +473,66 @@ def section_compileopts(args, out: dict) -> None:
         out["rows"].append(row)
 
 
+_SWEEP = """
+import json, sys, time
+t0 = time.perf_counter()
+from foxhunt_jax.jitcache import enable_compilation_cache
+enable_compilation_cache(sys.argv[1])
+import jax
+if sys.argv[2] != "default":
+    jax.config.update("jax_persistent_cache_enable_xla_caches", sys.argv[2])
+from foxhunt_jax.config import load_config
+from foxhunt_jax.training.trainer import Trainer
+jax.devices()
+cfg = load_config(sys.argv[3], [f"network.dtype={sys.argv[4]}", f"network.backend={sys.argv[5]}",
+                                sys.argv[6]])
+tr = Trainer.build(cfg)
+state = tr.init_state()
+t0 = time.perf_counter()
+tr.compile(state)
+wall = time.perf_counter() - t0
+state, rec = tr.run_epoch(state)
+print(json.dumps({"compile_s": wall, "loaded": tr.executables_loaded, "loss": rec["loss"]}))
+"""
+
+
+def section_compilesweep(args, out: dict) -> None:
+    """A hyper-parameter sweep's compile: one process compiles the seed config into an empty
+    cache folder, a second compiles it with another ``network.v_max`` (new programs, all three,
+    for XLA and for the executable cache) from the same folder, under each setting of JAX's
+    ``jax_persistent_cache_enable_xla_caches`` (XLA's autotuning cache, its kernel cache)."""
+    import os
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
+    out["rows"] = []
+    for setting in args.xla_cache_settings.split(","):
+        row = {"xla_caches": setting}
+        with tempfile.TemporaryDirectory(prefix="foxhunt-sweep-cache-") as cache:
+            # v_max changes the C51 support, a constant in all three programs
+            for step, change in (("first", "network.v_max=10.0"), ("second", "network.v_max=12.0")):
+                left = args._deadline - time.perf_counter()
+                if left < 30:
+                    out.setdefault("skipped", []).append(f"{setting} {step}")
+                    continue
+                r = subprocess.run([sys.executable, "-c", _SWEEP, cache, setting, args.config,
+                                    dtype, backend, change], capture_output=True, text=True,
+                                   env=env, timeout=left)
+                if r.returncode != 0:
+                    row[step] = {"error": r.stderr[-1200:]}
+                    print(f"  {setting} {step}: FAILED {r.stderr[-600:]}", flush=True)
+                    continue
+                row[step] = json.loads(r.stdout.strip().splitlines()[-1])
+            row["cache_mb"] = sum(f.stat().st_size for f in Path(cache).rglob("*")
+                                  if f.is_file()) / 2**20
+        out["rows"].append(row)
+        fmt = lambda r: f"{r['compile_s']:.1f} s" if "compile_s" in r else "failed"  # noqa: E731
+        print(f"  xla caches {setting}: first config {fmt(row.get('first', {}))}, "
+              f"another v_max {fmt(row.get('second', {}))}", flush=True)
+
+
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
     """``"128x8,128x8x64"`` -> (rows, warps, max_chunk or None) per launch shape."""
     out = []
@@ -510,6 +572,8 @@ def main(argv=None) -> dict:
                          "no_rnd, concat_online (one online forward over s and s')")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
+    ap.add_argument("--xla-cache-settings", default="default,all",
+                    help="values of jax_persistent_cache_enable_xla_caches for compilesweep")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick
