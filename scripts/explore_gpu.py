@@ -10,8 +10,9 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors and
-  variants (optimizer per tensor, curiosity off, one online forward over s and s'), with the
-  number of kernel-launching instructions in each compiled program;
+  variants (optimizer per tensor, curiosity off, one online forward over s and s', XLA compile
+  options from ``--learner-options``), with the number of kernel-launching instructions in
+  each compiled program;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
@@ -261,6 +262,17 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
+def _options(variant: str) -> dict | None:
+    """XLA compile options of a learner variant ``xla:name=value,name=value``, else None."""
+    if not variant.startswith("xla:"):
+        return None
+    out = {}
+    for item in variant[4:].split(","):
+        k, v = item.split("=", 1)
+        out[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    return out
+
+
 def section_learner(args, out: dict) -> None:
     """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
     from foxhunt_jax.agent import learner as learner_mod
@@ -281,6 +293,7 @@ def section_learner(args, out: dict) -> None:
         k = s.cfg.train.train_steps
         runs = [(u, "base") for u in args.unrolls]
         runs += [(1, v) for v in args.learner_variants.split(",") if v and v != "base"]
+        runs += [(1, "xla:" + o) for o in args.learner_options.split(";") if o]
         for unroll, variant in runs:
             if time.perf_counter() > args._deadline:
                 out.setdefault("skipped", []).append(f"{dtype} unroll={unroll} {variant}")
@@ -312,8 +325,8 @@ def section_learner(args, out: dict) -> None:
                 # unchanged until a variant wins, measured)
                 real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
                 try:
-                    compiled = jax.jit(steps).lower(agent, state.buffer,
-                                                    jax.random.key(1)).compile()
+                    compiled = jax.jit(steps).lower(agent, state.buffer, jax.random.key(1)
+                                                    ).compile(compiler_options=_options(variant))
                 finally:
                     learner_mod.per_sample_loss = real
                 row["compile_s"] = time.perf_counter() - t0
@@ -574,6 +587,9 @@ def main(argv=None) -> dict:
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--xla-cache-settings", default="default,all",
                     help="values of jax_persistent_cache_enable_xla_caches for compilesweep")
+    ap.add_argument("--learner-options", default="",
+                    help="';'-separated XLA compile-option sets name=value[,name=value], each "
+                         "timed as a learner variant")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
     args = ap.parse_args(argv)
     q = args.quick
