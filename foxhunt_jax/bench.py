@@ -262,6 +262,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
     import numpy as np
 
     from foxhunt_jax.agent.network import make_network, q_forward, support as make_support
+    from foxhunt_jax.jitcache import jit
     from pallas_kernels.q_forward import default_config, forward_flops, fused_q_forward
 
     cfg = _variant_cfg(args, "xla", "float32")
@@ -286,7 +287,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                                     jnp.float32) * 2.0
         # Both backends are timed returning expected Q and actions (one Pallas program per
         # launch shape serves the check and the timing; writing Q is ~64 B a row).
-        f_xla = jax.jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+        f_xla = jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
         ref_q, ref_a = f_xla(params, obs_chk)
         ref_q = np.concatenate([np.asarray(x) for x in ref_q], axis=1)
         ref_a = np.asarray(ref_a)
@@ -309,7 +310,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             chk_row = {"n": int(obs_chk.shape[0]), "backend": "pallas", "dtype": dtype,
                        "config": name, "default": kc == default, "kind": "equality"}
             try:
-                f = jax.jit(lambda p, o, _c=kc: fused_q_forward(p, o, net, z, config=_c))
+                f = jit(lambda p, o, _c=kc: fused_q_forward(p, o, net, z, config=_c))
                 q, a = f(params, obs_chk)
                 q = np.concatenate([np.asarray(x) for x in q], axis=1)
                 chk_row.update(_equality(q, np.asarray(a), ref_q, ref_a, sizes))
@@ -589,6 +590,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
 
     from foxhunt_jax.agent import replay
     from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.jitcache import jit
     from foxhunt_jax.training import collect as collect_mod
     from foxhunt_jax.env.trading import PORTFOLIO_DIM
     from foxhunt_jax.training.trainer import TRADING_ADAPTER
@@ -611,7 +613,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
         out["episode_length"] = length
         tr = _build_trainer(cfg0, market)
         env_p = tr.env_params["train"]
-        start = jax.jit(lambda p, k, _n=n: collect_mod.start(TRADING_ADAPTER, p, k, _n))
+        start = jit(lambda p, k, _n=n: collect_mod.start(TRADING_ADAPTER, p, k, _n))
         rollout0 = start(env_p, jax.random.key(args.seed))
         reps = 3 if n >= 262144 else 5
         variants = args.variants if n == largest else (args.collect_variants or args.variants)
@@ -621,7 +623,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                 continue
             cfg = _variant_cfg(args, backend, dtype, [f"train.num_episodes={n}"])
             learner = make_learner(cfg, cfg.env.branch_sizes)
-            agent = jax.jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
+            agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
             kinds = [("rollout", dict(use_q=True, use_rnd=True))]
             if args.breakdown and n == largest and (backend, dtype) == bd_variant:
@@ -630,7 +632,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             for kind, flags in kinds:
                 row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
                 try:
-                    run = jax.jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
+                    run = jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
                     keys = iter(jax.random.split(jax.random.key(args.seed + 7), reps + 2))
                     ms = time_calls(lambda: run(agent, rollout0, next(keys), jnp.float32(eps)),
                                     reps, warmup=1)
@@ -665,7 +667,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                         return r2, replay.add(buf, items, prio, cfg.replay.alpha,
                                               cfg.replay.priority_eps), stats
 
-                    ph = jax.jit(phase)
+                    ph = jit(phase)
                     keys = iter(jax.random.split(jax.random.key(args.seed + 9), reps + 2))
                     ms = time_calls(lambda: ph(agent, rollout0, buf, next(keys), jnp.float32(eps)),
                                     reps, warmup=1)
@@ -702,6 +704,7 @@ def rollout_equality(args, market, n: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from foxhunt_jax.jitcache import jit
     from foxhunt_jax.agent.learner import init_agent, make_learner
     from foxhunt_jax.training import collect
     from foxhunt_jax.training.trainer import TRADING_ADAPTER
@@ -709,7 +712,7 @@ def rollout_equality(args, market, n: int) -> dict:
     cfg = _variant_cfg(args, "xla", "bfloat16", [f"train.num_episodes={n}"])
     tr = _build_trainer(cfg, market)
     env_p, length = tr.env_params["train"], cfg.env.episode_length
-    rollout = jax.jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
+    rollout = jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
         env_p, jax.random.key(args.seed))
     agent = None
     trajs = {}
@@ -717,9 +720,9 @@ def rollout_equality(args, market, n: int) -> dict:
         c = _variant_cfg(args, backend, "bfloat16", [f"train.num_episodes={n}"])
         learner = make_learner(c, c.env.branch_sizes)
         if agent is None:
-            agent = jax.jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
+            agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
-        run = jax.jit(lambda a, r, k, _l=learner: collect.trajectory(
+        run = jit(lambda a, r, k, _l=learner: collect.trajectory(
             _l, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
         trajs[backend] = jax.device_get(run(agent, rollout, jax.random.key(args.seed + 1)))
     ref, got = trajs["xla"], trajs["pallas"]

@@ -39,6 +39,15 @@ _ROOT = Path(__file__).resolve().parent.parent
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
               "jax_default_prng_impl", "jax_numpy_rank_promotion")
 _executables: Path | None = None  # set by enable_compilation_cache
+# XLA's command buffers (CUDA graphs) run their kernels either one after another or as a DAG of
+# the program's data dependencies; the DAG lets independent kernels of a launch-bound program
+# (a learner step's Q and RND updates, its replay bookkeeping) overlap: 1.7x faster learner
+# steps on an H200 (BENCHMARKS.md). XLA_FLAGS naming the mode takes precedence.
+SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
+# JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
+# kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
+# on an H200 (jax 0.11.2, BENCHMARKS.md).
+XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
 # Most bytes the executable cache keeps; the least recently used entries go first
 # (FOXHUNT_JAX_EXECUTABLE_CACHE_MB overrides).
 MAX_CACHE_BYTES = 1 << 30
@@ -63,10 +72,30 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
     if os.environ.get("FOXHUNT_JAX_EXECUTABLE_CACHE", "").lower() == "off":
         executables = False
     _executables = Path(where) / "executables" if executables else None
     return where
+
+
+def compiler_options() -> dict:
+    """XLA compile options of every program the library compiles: on a GPU, command buffers
+    scheduled as a DAG (``SCHEDULING_OPTION``), unless ``XLA_FLAGS`` sets that mode; elsewhere
+    none."""
+    import jax
+
+    if jax.default_backend() not in ("gpu", "cuda") or \
+            SCHEDULING_OPTION in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {SCHEDULING_OPTION: "CONCURRENT"}
+
+
+def jit(fun, **kwargs):
+    """``jax.jit`` with the library's :func:`compiler_options`."""
+    import jax
+
+    return jax.jit(fun, compiler_options=compiler_options() or None, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,6 +141,7 @@ def cache_key(name: str, config: Any, args) -> str:
              "versions": [jax.__version__, jaxlib.__version__, flax.__version__,
                           optax.__version__],
              "jax_flags": flags, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+             "compiler_options": compiler_options(),
              # the platform build (CUDA version etc. of the GPU plugin), not only jaxlib's
              "backend": [jax.default_backend(), devices[0].client.platform_version],
              "devices": [(d.id, getattr(d, "device_kind", "")) for d in devices],

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
+from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep")
 
@@ -262,10 +263,10 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
-def _options(variant: str) -> dict | None:
-    """XLA compile options of a learner variant ``xla:name=value,name=value``, else None."""
+def _options(variant: str) -> dict:
+    """XLA compile options of a learner variant ``xla:name=value,name=value``, else none."""
     if not variant.startswith("xla:"):
-        return None
+        return {}
     out = {}
     for item in variant[4:].split(","):
         k, v = item.split("=", 1)
@@ -294,6 +295,7 @@ def section_learner(args, out: dict) -> None:
         runs = [(u, "base") for u in args.unrolls]
         runs += [(1, v) for v in args.learner_variants.split(",") if v and v != "base"]
         runs += [(1, "xla:" + o) for o in args.learner_options.split(";") if o]
+        base_params = None
         for unroll, variant in runs:
             if time.perf_counter() > args._deadline:
                 out.setdefault("skipped", []).append(f"{dtype} unroll={unroll} {variant}")
@@ -325,8 +327,10 @@ def section_learner(args, out: dict) -> None:
                 # unchanged until a variant wins, measured)
                 real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
                 try:
-                    compiled = jax.jit(steps).lower(agent, state.buffer, jax.random.key(1)
-                                                    ).compile(compiler_options=_options(variant))
+                    # the library's options (jitcache.compiler_options), a variant's over them
+                    opts = {**compiler_options(), **_options(variant)}
+                    compiled = jax.jit(steps, compiler_options=opts or None).lower(
+                        agent, state.buffer, jax.random.key(1)).compile()
                 finally:
                     learner_mod.per_sample_loss = real
                 row["compile_s"] = time.perf_counter() - t0
@@ -340,9 +344,18 @@ def section_learner(args, out: dict) -> None:
                 row.update(_timed(lambda: compiled(agent, state.buffer, next(keys)),
                                   args.reps))
                 row["us_per_step"] = row["ms"] * 1e3 / k
+                # same inputs and key as the first variant: how far its parameters end up
+                params = jax.device_get(compiled(agent, state.buffer, jax.random.key(2))[0].params)
+                if base_params is None:
+                    base_params = params
+                elif variant != "base" and variant.startswith("xla:"):
+                    row["max_abs_param_diff_vs_base"] = max(
+                        float(np.max(np.abs(a - b))) for a, b in
+                        zip(jax.tree.leaves(params), jax.tree.leaves(base_params)))
                 print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
-                      f"in the program, compile {row['compile_s']:.1f} s", flush=True)
+                      f"in the program, compile {row['compile_s']:.1f} s, params differ from "
+                      f"the first by {row.get('max_abs_param_diff_vs_base', 0):.3g}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  learner {dtype} unroll={unroll}: FAILED {row['error']}", flush=True)

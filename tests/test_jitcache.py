@@ -82,6 +82,38 @@ def test_keys_follow_config_and_argument_shapes(exe_dir):
     assert len(jitcache.source_digest()) == 64
 
 
+def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert jitcache.compiler_options() == {}  # this CPU: no options
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT"}
+    # the key sees the options: a GPU program compiled without them is another entry
+    x = jnp.ones((2, 2))
+    k = jitcache.cache_key("f", {}, (x,))
+    monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE")
+    assert jitcache.compiler_options() == {}  # the user's flag decides
+    assert jitcache.cache_key("f", {}, (x,)) != k
+
+
+def test_jit_passes_the_options_to_every_compile(monkeypatch):
+    # an option this XLA does not know proves the options reach the compiler
+    monkeypatch.setattr(jitcache, "compiler_options", lambda: {"foxhunt_no_such_option": 1})
+    f = jitcache.jit(lambda x: x * 2)
+    with pytest.raises(Exception, match="foxhunt_no_such_option"):
+        f.lower(jnp.ones(3)).compile()
+    monkeypatch.setattr(jitcache, "compiler_options", lambda: {})
+    np.testing.assert_array_equal(jitcache.jit(lambda x: x * 2)(jnp.ones(3)), 2 * np.ones(3))
+
+
+def test_only_the_autotuning_cache_rides_with_the_persistent_cache(tmp_path, monkeypatch):
+    updates = {}
+    monkeypatch.setattr(jax.config, "update", lambda k, v: updates.__setitem__(k, v))
+    monkeypatch.setattr(jitcache, "_executables", None)
+    jitcache.enable_compilation_cache(str(tmp_path), executables=False)
+    assert updates["jax_compilation_cache_dir"] == str(tmp_path)
+    assert updates["jax_persistent_cache_enable_xla_caches"] == jitcache.XLA_CACHES
+
+
 def test_a_damaged_entry_is_compiled_again_and_replaced(exe_dir):
     x, y = jnp.arange(12.0).reshape(4, 3), jnp.ones((3, 2))
     c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})

@@ -33,7 +33,7 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
-from foxhunt_jax.jitcache import compile_cached
+from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import fused, validate
 from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
 from foxhunt_jax.training.metrics import trading_metrics
@@ -194,14 +194,14 @@ class Trainer:
         local = parallel.local_device(self.mesh)
         args = (parallel.local_view(tr, local), jax.device_put(key, local))
         # both programs go through the executable cache, as the phases do (compile_cached)
-        make_agent, _ = compile_cached(jax.jit(lambda p, k: initial_agent(lr, p, k)), args,
+        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(lr, p, k)), args,
                                        name="init_agent", config=cfg)
         agent = parallel.put_replicated(make_agent(*args), self.mesh)
         build = lambda p, k, a: initial_state(lr, cfg, p, k, a)
         args = (tr, parallel.put_replicated(key, self.mesh), agent)
         # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
         init, _ = compile_cached(
-            lambda: jax.jit(build, out_shardings=self.shardings(jax.eval_shape(build, *args))),
+            lambda: jit(build, out_shardings=self.shardings(jax.eval_shape(build, *args))),
             args, name="init_state", config=cfg)
         state = jax.block_until_ready(init(*args))
         self.init_ms += (time.perf_counter() - t0) * 1e3
@@ -217,12 +217,12 @@ class Trainer:
         # process's first device with its copy of the replicated agent (every process computes
         # the same numbers), so its program is the same for every mesh.
         sh, rep = self.shardings(state), parallel.replicated(self.mesh)
-        exp = jax.jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1,
+        exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1,
                       in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
-        trn = jax.jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
+        trn = jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
                       in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         scalar = np.float32(0)
-        val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
+        val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
         return {"experience": (exp, (tr, state, scalar)),
                 "training": (trn, (tr, state, scalar)),
                 "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
@@ -343,7 +343,7 @@ class Trainer:
         def walk_with(name, fn, *args):
             # every array is an argument, so the program is fixed by the config, the walk's
             # length and the argument shapes: the executable cache can serve it
-            compiled, _ = compile_cached(jax.jit(fn), args, name=f"evaluate_{name}",
+            compiled, _ = compile_cached(jit(fn), args, name=f"evaluate_{name}",
                                          config={"config": self.cfg, "steps": steps})
             return validate.equity_paths(compiled(*args))
 
