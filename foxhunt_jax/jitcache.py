@@ -1,6 +1,9 @@
-"""Compilation caches for the command line and the tests.
+"""How the library compiles: XLA options (:func:`jit`) and compilation caches.
 
-Two levels, both under one folder (``FOXHUNT_JAX_CACHE=DIR``, default
+Every program the library compiles is jitted by :func:`jit`, which adds
+:func:`compiler_options` (on a GPU: command buffers scheduled as a DAG).
+
+The caches, for the command line and the tests, have two levels, both under one folder (``FOXHUNT_JAX_CACHE=DIR``, default
 ``~/.cache/foxhunt-jax/xla``; ``FOXHUNT_JAX_CACHE=off`` turns both off,
 ``FOXHUNT_JAX_EXECUTABLE_CACHE=off`` only the second):
 
