@@ -3,9 +3,9 @@
 Every program the library compiles is jitted by :func:`jit`, which adds
 :func:`compiler_options` (on a GPU: command buffers scheduled as a DAG).
 
-The caches, for the command line and the tests, have two levels, both under one folder (``FOXHUNT_JAX_CACHE=DIR``, default
-``~/.cache/foxhunt-jax/xla``; ``FOXHUNT_JAX_CACHE=off`` turns both off,
-``FOXHUNT_JAX_EXECUTABLE_CACHE=off`` only the second):
+The caches, for the command line and the tests, have two levels, both under one folder
+(``FOXHUNT_JAX_CACHE=DIR``, default ``~/.cache/foxhunt-jax/xla``; ``FOXHUNT_JAX_CACHE=off``
+turns both off, ``FOXHUNT_JAX_EXECUTABLE_CACHE=off`` only the second):
 
 - JAX's persistent compilation cache (``DIR``): XLA's output keyed by the lowered program, so a
   second run skips XLA's optimization passes but still traces and lowers every program (about
@@ -14,7 +14,7 @@ The caches, for the command line and the tests, have two levels, both under one 
   executable of each trainer phase, keyed by what determines the program: the config, the
   argument shapes, dtypes and placements, the JAX version, the devices and a digest of this
   package's source files (and the versions of JAX, Flax and optax, the platform's build, JAX's
-  lowering flags and ``XLA_FLAGS``). A hit skips tracing, lowering and compiling altogether.
+  lowering flags, ``XLA_FLAGS`` and the compile options). A hit skips tracing, lowering and compiling altogether.
   The folder keeps at most ``MAX_CACHE_BYTES`` (1 GiB; ``FOXHUNT_JAX_EXECUTABLE_CACHE_MB``),
   dropping the least recently used entries, since stale keys (old code, old versions) are never
   hit again.
