@@ -120,3 +120,59 @@ def test_update_stats_rejects_observations():
     state = curiosity.init(jax.random.key(0), D, CFG)
     with pytest.raises(ValueError, match=r"raw prediction errors \[N\]"):
         curiosity.update_stats(state, jnp.zeros((4, D)))
+
+
+@pytest.mark.parametrize("n,dim,hidden,embed", [(37, D, 32, 8), (300, 40, 128, 32),
+                                                 (1, 5, 20, 3)])
+def test_fused_kernel_equals_the_flax_pass_and_numpy(n, dim, hidden, embed):
+    """pallas_kernels/rnd_error.py (interpreted here) against prediction_error's XLA path and
+    float64 NumPy, on fresh inputs; widths that are not powers of two are padded."""
+    from pallas_kernels.rnd_error import fused_prediction_error
+
+    rng = np.random.default_rng(n + dim)
+    cfg = CuriosityConfig(hidden=hidden, embed=embed, backend="xla")
+    state = curiosity.init(jax.random.key(int(rng.integers(1 << 30))), dim, cfg)
+    obs = jnp.asarray(rng.standard_normal((n, dim)), jnp.float32)
+    got = fused_prediction_error(state.predictor_params, state.target_params, obs)
+    chex.assert_shape(got, (n,))
+    chex.assert_type(got, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(curiosity.prediction_error(state, obs)),
+                               rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np_raw(state, obs), rtol=2e-5)
+    # the backend switch routes prediction_error through the kernel, any leading shape
+    kernel_state = state.replace(cfg=CuriosityConfig(hidden=hidden, embed=embed, backend="pallas"))
+    lead = jnp.reshape(obs, (1, n, dim))
+    np.testing.assert_allclose(np.asarray(curiosity.prediction_error(kernel_state, lead)),
+                               np.asarray(got)[None], rtol=1e-6)
+
+
+def test_fused_kernel_checks_its_arguments():
+    from pallas_kernels.rnd_error import fused_prediction_error
+
+    state = curiosity.init(jax.random.key(0), D, CFG)
+    with pytest.raises(ValueError, match="obs must be"):
+        fused_prediction_error(state.predictor_params, state.target_params, jnp.ones((3, 2, D)))
+    with pytest.raises(ValueError, match="does not match"):
+        fused_prediction_error(state.predictor_params, state.target_params, jnp.ones((3, D + 1)))
+
+
+def test_auto_backend_uses_the_kernel_on_cuda_only(monkeypatch):
+    import pallas_kernels.q_forward as qf
+
+    assert not curiosity.uses_kernel(CuriosityConfig())  # this CPU
+    assert curiosity.uses_kernel(CuriosityConfig(backend="pallas"))
+    monkeypatch.setattr(qf, "on_cuda", lambda: True)
+    assert curiosity.uses_kernel(CuriosityConfig())
+    assert not curiosity.uses_kernel(CuriosityConfig(backend="xla"))
+
+
+def test_fused_kernel_lowers_for_cuda_on_this_cpu(monkeypatch):
+    """Pallas -> Triton lowering with 3xTF32 products at the default widths (no GPU needed)."""
+    import pallas_kernels.rnd_error as rnd_error
+
+    monkeypatch.setattr(rnd_error, "on_cuda", lambda: True)
+    state = curiosity.init(jax.random.key(0), 40, CuriosityConfig())
+    f = jax.jit(lambda p, t, x: rnd_error.fused_prediction_error(p, t, x, interpret=False))
+    text = f.trace(state.predictor_params, state.target_params, jnp.ones((1000, 40))).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "fused_rnd_error" in text
