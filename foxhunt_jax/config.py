@@ -89,11 +89,6 @@ class CuriosityConfig:
     hidden: int = 128
     embed: int = 32
     learning_rate: float = 1e-4
-    # the curiosity pass over every next observation of an epoch: "xla" (the Flax layers),
-    # "pallas" (pallas_kernels/rnd_error.py: both networks and the error in one kernel, products
-    # in 3xTF32; interpreted, slowly, off CUDA GPUs) or "auto": pallas on a CUDA GPU, else xla.
-    # The predictor's training step always uses the Flax layers.
-    backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -332,8 +327,6 @@ def validate(cfg: Config) -> Config:
     _check(c.hidden >= 1 and c.embed >= 1, "curiosity.hidden", "and curiosity.embed must be >= 1",
            (c.hidden, c.embed))
     _check(c.learning_rate > 0, "curiosity.learning_rate", "must be > 0", c.learning_rate)
-    _check(c.backend in ("auto", "xla", "pallas"), "curiosity.backend",
-           "must be auto, xla or pallas", c.backend)
 
     _check(t.epochs >= 1, "train.epochs", "must be >= 1", t.epochs)
     _check(t.num_episodes >= 1, "train.num_episodes", "must be >= 1", t.num_episodes)

@@ -7,9 +7,8 @@ default was chosen from, each in the same process so ratios are fair:
   workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at N = 2^20;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
-- ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision and as the fused
-  kernel (``pallas_kernels/rnd_error.py``) at several launch shapes, and its error against
-  float64 NumPy for a fresh and a nearly trained predictor;
+- ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
+  against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors and
   variants (optimizer per tensor, curiosity off, one online forward over s and s', XLA compile
   options from ``--learner-options``), with the number of kernel-launching instructions in
@@ -199,8 +198,6 @@ def section_rnd(args, out: dict) -> None:
     """Raw novelty of 2^22 observations per GEMM precision: time and error against float64."""
     from foxhunt_jax.agent import curiosity
     from foxhunt_jax.config import CuriosityConfig
-    from pallas_kernels.q_forward import KernelConfig
-    from pallas_kernels.rnd_error import fused_prediction_error
 
     cfg = CuriosityConfig()
     dim, m = args.obs_dim, args.rnd_rows
@@ -220,10 +217,6 @@ def section_rnd(args, out: dict) -> None:
         variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
         variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
         variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
-    if jax.default_backend() == "gpu" or args.quick:  # the fused kernel, per launch shape
-        for rows, warps, _ in _shapes(args.rnd_kernel_shapes):
-            variants[f"pallas_{rows}x{warps}"] = ("kernel", KernelConfig(
-                block_rows=rows, num_warps=warps, min_warps=warps))
     if args.rnd_variants:
         variants = {k: v for k, v in variants.items() if k in args.rnd_variants.split(",")}
     xs = np.asarray(x[:4096], np.float64)
@@ -232,8 +225,6 @@ def section_rnd(args, out: dict) -> None:
         row = {"variant": name, "rows": m, "obs_dim": dim}
         try:
             def err(pred, tgt, xx, _p=prec, _d=dt):
-                if _p == "kernel":  # pallas_kernels/rnd_error.py with launch shape _d
-                    return fused_prediction_error(pred, tgt, xx, config=_d)
                 return jnp.sum(jnp.square(_rnd_forward(pred, xx, _p, _d)
                                           - _rnd_forward(tgt, xx, _p, _d)), axis=-1)
             f = jax.jit(err)
@@ -602,8 +593,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--unrolls", default=None, help="learner scan unroll factors, e.g. 1,2,5")
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
-    ap.add_argument("--rnd-kernel-shapes", default=None,
-                    help="rowsxwarps,... launch shapes of the fused RND kernel")
     ap.add_argument("--learner-variants", default="base",
                     help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
                          "no_rnd, concat_online (one online forward over s and s')")
@@ -621,7 +610,6 @@ def main(argv=None) -> dict:
     args.overrides = ["network.trunk=[32]", "network.head=16", "env.episode_length=8"] if q else []
     args.length = 8 if q else 100
     args.small_n, args.val_n, args.large_n = (32, 16, 64) if q else (1024, 64, 1 << 20)
-    args.rnd_kernel_shapes = args.rnd_kernel_shapes or ("16x4" if q else "128x8,64x4,256x8")
     args.small_shapes = _shapes(args.small_shapes or ("16x4" if q else "16x4,16x2,16x8,32x4,64x4"))
     args.large_shapes = _shapes(args.large_shapes
                                 or ("16x4" if q else "128x8,64x4,64x8,128x4,256x8"))

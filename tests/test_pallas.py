@@ -248,10 +248,6 @@ def test_backend_config_is_validated():
         load_config(None, ["network.backend=triton"])
     with pytest.raises(ConfigError, match="needs network.dtype=bfloat16"):
         load_config(None, ["network.backend=pallas"])  # float32: XLA is faster
-    assert load_config(None, ["curiosity.backend=pallas"]).curiosity.backend == "pallas"
-    assert load_config(None).curiosity.backend == "auto"
-    with pytest.raises(ConfigError, match="curiosity.backend"):
-        load_config(None, ["curiosity.backend=cuda"])
 
 
 @pytest.mark.parametrize("platform, dtype, backend, want", [

@@ -106,27 +106,8 @@ def _errors(net: RNDNetwork, predictor_params, target_params, obs: jax.Array) ->
     return jnp.square(net.apply(predictor_params, obs) - target)
 
 
-def uses_kernel(cfg: CuriosityConfig) -> bool:
-    """Whether :func:`prediction_error` runs the fused Pallas kernel: ``cfg.backend`` with
-    ``"auto"`` decided (the kernel on a CUDA GPU)."""
-    from pallas_kernels.q_forward import on_cuda
-
-    return cfg.backend == "pallas" or (cfg.backend == "auto" and on_cuda())
-
-
 def prediction_error(state: RNDState, obs: jax.Array) -> jax.Array:
-    """Raw novelty ``||g(s) - f(s)||^2``: ``obs [..., D] -> [...] float32``.
-
-    With ``state.cfg.backend`` resolving to pallas (:func:`uses_kernel`) the same function runs
-    as one fused kernel (``pallas_kernels/rnd_error.py``, tested equal); it has no gradient, which
-    only :func:`update` takes, through the Flax layers.
-    """
-    if uses_kernel(state.cfg):
-        from pallas_kernels.rnd_error import fused_prediction_error
-
-        flat = jnp.reshape(obs, (-1, obs.shape[-1]))
-        return fused_prediction_error(state.predictor_params, state.target_params,
-                                      flat).reshape(obs.shape[:-1])
+    """Raw novelty ``||g(s) - f(s)||^2``: ``obs [N, D] -> [N] float32``."""
     return jnp.sum(_errors(_network(state.cfg), state.predictor_params, state.target_params, obs),
                    axis=-1)
 
@@ -200,6 +181,6 @@ def update(state: RNDState, next_obs: jax.Array) -> tuple[RNDState, jax.Array]:
 
 
 __all__ = [
-    "RNDNetwork", "RNDState", "init", "uses_kernel", "prediction_error", "scale_bonus",
-    "intrinsic_reward", "update_stats", "update",
+    "RNDNetwork", "RNDState", "init", "prediction_error", "scale_bonus", "intrinsic_reward",
+    "update_stats", "update",
 ]
