@@ -91,7 +91,24 @@ def compiler_options() -> dict:
     if jax.default_backend() not in ("gpu", "cuda") or \
             SCHEDULING_OPTION in os.environ.get("XLA_FLAGS", ""):
         return {}
-    return {SCHEDULING_OPTION: "CONCURRENT"}
+    options = {SCHEDULING_OPTION: "CONCURRENT"}
+    return options if _xla_accepts(tuple(options.items())) else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_accepts(options: tuple) -> bool:
+    """Whether this XLA compiles with ``options`` (an XLA without one rejects every program):
+    a trivial program is compiled once per process to find out; if not, a warning says so."""
+    import jax
+    import numpy as np
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(np.float32(0)).compile()
+        return True
+    except Exception as e:  # noqa: BLE001 - XLA reports an unknown option as a runtime error
+        warnings.warn(f"this XLA does not take the compile options {dict(options)} "
+                      f"({type(e).__name__}: {str(e)[:200]}); compiling without them")
+        return False
 
 
 def jit(fun, **kwargs):

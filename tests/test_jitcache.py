@@ -95,6 +95,14 @@ def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
     assert jitcache.cache_key("f", {}, (x,)) != k
 
 
+def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jitcache, "SCHEDULING_OPTION", "foxhunt_no_such_option")
+    with pytest.warns(UserWarning, match="does not take the compile options"):
+        assert jitcache.compiler_options() == {}
+
+
 def test_jit_passes_the_options_to_every_compile(monkeypatch):
     # an option this XLA does not know proves the options reach the compiler
     monkeypatch.setattr(jitcache, "compiler_options", lambda: {"foxhunt_no_such_option": 1})
