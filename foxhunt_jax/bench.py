@@ -704,8 +704,8 @@ def rollout_equality(args, market, n: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from foxhunt_jax.jitcache import jit
     from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.jitcache import jit
     from foxhunt_jax.training import collect
     from foxhunt_jax.training.trainer import TRADING_ADAPTER
 

@@ -1,7 +1,8 @@
 """How the library compiles: XLA options (:func:`jit`) and compilation caches.
 
-Every program the library compiles is jitted by :func:`jit`, which adds
-:func:`compiler_options` (on a GPU: command buffers scheduled as a DAG).
+The trainer's programs (its phases, its init programs, the evaluation walks) and the ones the
+benchmark times are jitted by :func:`jit`, which adds :func:`compiler_options` (on a GPU:
+command buffers scheduled as a DAG).
 
 The caches, for the command line and the tests, have two levels, both under one folder
 (``FOXHUNT_JAX_CACHE=DIR``, default ``~/.cache/foxhunt-jax/xla``; ``FOXHUNT_JAX_CACHE=off``
@@ -14,7 +15,8 @@ turns both off, ``FOXHUNT_JAX_EXECUTABLE_CACHE=off`` only the second):
   executable of each trainer phase, keyed by what determines the program: the config, the
   argument shapes, dtypes and placements, the JAX version, the devices and a digest of this
   package's source files (and the versions of JAX, Flax and optax, the platform's build, JAX's
-  lowering flags, ``XLA_FLAGS`` and the compile options). A hit skips tracing, lowering and compiling altogether.
+  lowering flags, ``XLA_FLAGS`` and the compile options). A hit skips tracing, lowering and
+  compiling altogether.
   The folder keeps at most ``MAX_CACHE_BYTES`` (1 GiB; ``FOXHUNT_JAX_EXECUTABLE_CACHE_MB``),
   dropping the least recently used entries, since stale keys (old code, old versions) are never
   hit again.
@@ -44,8 +46,8 @@ _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_pa
 _executables: Path | None = None  # set by enable_compilation_cache
 # XLA's command buffers (CUDA graphs) run their kernels either one after another or as a DAG of
 # the program's data dependencies; the DAG lets independent kernels of a launch-bound program
-# (a learner step's Q and RND updates, its replay bookkeeping) overlap: 1.7x faster learner
-# steps on an H200 (BENCHMARKS.md). XLA_FLAGS naming the mode takes precedence.
+# (a learner step's Q and RND updates, its replay bookkeeping) overlap: 1.6-1.7x faster
+# learner steps on an H200 (BENCHMARKS.md). XLA_FLAGS naming the mode takes precedence.
 SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
 # kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
@@ -83,9 +85,9 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
 
 
 def compiler_options() -> dict:
-    """XLA compile options of every program the library compiles: on a GPU, command buffers
-    scheduled as a DAG (``SCHEDULING_OPTION``), unless ``XLA_FLAGS`` sets that mode; elsewhere
-    none."""
+    """XLA compile options of the trainer's and the benchmark's programs: on a GPU, command
+    buffers scheduled as a DAG (``SCHEDULING_OPTION``), unless ``XLA_FLAGS`` sets that mode;
+    elsewhere none."""
     import jax
 
     if jax.default_backend() not in ("gpu", "cuda") or \
