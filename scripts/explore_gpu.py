@@ -3,8 +3,9 @@
 ``foxhunt-jax bench`` times the library as configured. This script times the alternatives a
 default was chosen from, each in the same process so ratios are fair:
 
-- ``rollout``: launch shapes (rows per program, warps, GEMM block width) of the fused rollout kernel at the seed
-  workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at N = 2^20;
+- ``rollout``: launch shapes (rows per program, warps, GEMM block width) of the fused rollout
+  kernel at the seed workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at
+  N = 2^20;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
@@ -363,23 +364,64 @@ def section_learner(args, out: dict) -> None:
         del s, tr, state
 
 
-_LOAD_PROFILE = """
-import cProfile, io, json, pstats, sys, time
+# The start of every child process of the compile sections: JAX's caches as asked, then the
+# trainer of the config and its initial state. ``sys.argv[1]`` is a JSON object (``_child``):
+# ``config``, ``overrides``, ``cache`` (a folder for enable_compilation_cache, or null: no
+# caches), ``xla_caches`` (a jax_persistent_cache_enable_xla_caches value, or null) and what
+# the body reads.
+_CHILD_PRELUDE = """
+import json, statistics, sys, time
 t0 = time.perf_counter()
-from foxhunt_jax.jitcache import enable_compilation_cache
-enable_compilation_cache(sys.argv[1])
+opts = json.loads(sys.argv[1])
+if opts["cache"]:
+    from foxhunt_jax.jitcache import enable_compilation_cache
+    enable_compilation_cache(opts["cache"])
 import jax
+if opts["xla_caches"]:
+    jax.config.update("jax_persistent_cache_enable_xla_caches", opts["xla_caches"])
 from foxhunt_jax.config import load_config
 from foxhunt_jax.training.trainer import Trainer
 jax.devices()
 startup = time.perf_counter() - t0
-cfg = load_config(sys.argv[2], [f"network.dtype={sys.argv[3]}", f"network.backend={sys.argv[4]}"])
-tr = Trainer.build(cfg)
+tr = Trainer.build(load_config(opts["config"], opts["overrides"]))
+t0 = time.perf_counter()
 state = tr.init_state()
+init_s = time.perf_counter() - t0
+"""
+
+
+def _child_variant(args) -> tuple[str, str]:
+    """(backend, dtype) the compile sections measure: the GPU default, or xla/f32 on the CPU."""
+    return ("xla", "float32") if args.quick else ("pallas", "bfloat16")
+
+
+def _child(body: str, args, left: float, *, cache: str | None = None,
+           xla_caches: str | None = None, overrides: tuple = (), env: dict | None = None,
+           **opts) -> dict:
+    """Runs ``_CHILD_PRELUDE + body`` in a fresh Python process (environment: the bench's
+    child environment plus ``env``) for :func:`_child_variant`; returns the JSON object it
+    prints last, or raises RuntimeError with the end of its stderr when it fails."""
+    import subprocess
+
+    from foxhunt_jax.bench import _child_env
+
+    backend, dtype = _child_variant(args)
+    opts.update(config=args.config, cache=cache, xla_caches=xla_caches,
+                overrides=[f"network.dtype={dtype}", f"network.backend={backend}", *overrides])
+    r = subprocess.run([sys.executable, "-c", _CHILD_PRELUDE + body, json.dumps(opts)],
+                       capture_output=True, text=True, env=_child_env(**(env or {})),
+                       timeout=left)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-1200:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+_LOAD_PROFILE = """
+import cProfile, io, pstats
 prof = cProfile.Profile()
 prof.enable()
 t0 = time.perf_counter()
-tr.compile(state, threads=sys.argv[5] == "parallel")
+tr.compile(state, threads=opts["mode"] == "parallel")
 wall = time.perf_counter() - t0
 prof.disable()
 out = io.StringIO()
@@ -392,12 +434,8 @@ print(json.dumps({"compile_s": wall, "loaded": tr.executables_loaded, "startup_s
 def section_compilecache(args, out: dict) -> None:
     """The trainer's compile, sequential against three threads: each fills a fresh cache (cold
     compile) in one process and loads from it in a second (under cProfile)."""
-    import os
-    import subprocess
     import tempfile
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
     for mode in ("sequential", "parallel"):
         with tempfile.TemporaryDirectory(prefix="foxhunt-explore-cache-") as cache:
             for step in ("fill", "load"):
@@ -405,36 +443,23 @@ def section_compilecache(args, out: dict) -> None:
                 if left < 20:
                     out.setdefault("skipped", []).append(f"{mode} {step}")
                     continue
-                r = subprocess.run([sys.executable, "-c", _LOAD_PROFILE, cache, args.config,
-                                    dtype, backend, mode], capture_output=True, text=True,
-                                   env=env, timeout=left)
-                if r.returncode != 0:
-                    out[f"{mode}_{step}"] = {"error": r.stderr[-1500:]}
-                    print(f"  {mode} {step}: FAILED {r.stderr[-500:]}", flush=True)
+                try:
+                    res = _child(_LOAD_PROFILE, args, left, cache=cache, mode=mode)
+                except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
+                    out[f"{mode}_{step}"] = {"error": str(e)}
+                    print(f"  {mode} {step}: FAILED {str(e)[-500:]}", flush=True)
                     continue
-                res = json.loads(r.stdout.strip().splitlines()[-1])
                 out[f"{mode}_{step}"] = res
-                print(f"  {backend}/{dtype} {mode} {step}: compile {res['compile_s']:.2f} s, "
-                      f"loaded {res['loaded']}/3, init {res['init_ms'] / 1e3:.2f} s", flush=True)
+                print(f"  {'/'.join(_child_variant(args))} {mode} {step}: compile "
+                      f"{res['compile_s']:.2f} s, loaded {res['loaded']}/3, init "
+                      f"{res['init_ms'] / 1e3:.2f} s", flush=True)
                 if step == "load":
                     print("\n".join(res["profile"].splitlines()[:18]), flush=True)
 
 
 _COMPILE_BREAKDOWN = """
-import json, statistics, sys, time
-t0 = time.perf_counter()
-import jax
-from foxhunt_jax.config import load_config
-from foxhunt_jax.training.trainer import Trainer
-sys.path.insert(0, sys.argv[5])
+sys.path.insert(0, opts["scripts"])
 from explore_gpu import kernel_count
-jax.devices()
-startup = time.perf_counter() - t0
-cfg = load_config(sys.argv[1], [f"network.dtype={sys.argv[2]}", f"network.backend={sys.argv[3]}"])
-tr = Trainer.build(cfg)
-t0 = time.perf_counter()
-state = tr.init_state()
-init_s = time.perf_counter() - t0
 rows, phases = {}, {}
 for name, (fn, args) in tr.phase_programs(state).items():
     t0 = time.perf_counter()
@@ -444,13 +469,14 @@ for name, (fn, args) in tr.phase_programs(state).items():
     rows[name] = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
                   "kernels": kernel_count(phases[name].as_text())}
 tr._phases = phases
-ms = {"experience": [], "training": [], "validation": [], "total": []}
-for e in range(int(sys.argv[4]) + 3):
+phase_names = ("experience", "training", "validation")
+ms = {k: [] for k in phase_names + ("total",)}
+for e in range(opts["epochs"] + 3):
     state, rec = tr.run_epoch(state)
     if e >= 3:
-        for k in ("experience", "training", "validation"):
+        for k in phase_names:
             ms[k].append(rec["phase_ms"][k])
-        ms["total"].append(sum(rec["phase_ms"][k] for k in ("experience", "training", "validation")))
+        ms["total"].append(sum(rec["phase_ms"][k] for k in phase_names))
 print(json.dumps({"startup_s": startup, "init_s": init_s, "programs": rows,
                   "epoch_ms": {k: statistics.median(v) for k, v in ms.items()},
                   "loss": rec["loss"], "finite": rec["finite_params"]}))
@@ -462,12 +488,7 @@ def section_compileopts(args, out: dict) -> None:
     then XLA), and the seed epoch those programs run, under each set of XLA flags, each in a
     fresh process: what the compile spends its time on, and what each option costs at run time."""
     import os
-    import subprocess
 
-    here = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, PYTHONPATH=str(Path(here).parent), FOXHUNT_JAX_CACHE="off")
-    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
-    epochs = "2" if args.quick else "20"
     out["rows"] = []
     for flags in args.compile_flag_sets.split(";"):
         flags = flags.strip()
@@ -475,16 +496,13 @@ def section_compileopts(args, out: dict) -> None:
         if left < 30:
             out.setdefault("skipped", []).append(flags)
             continue
-        run_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + flags).strip())
         row = {"xla_flags": flags}
         t0 = time.perf_counter()
         try:
-            r = subprocess.run([sys.executable, "-c", _COMPILE_BREAKDOWN, args.config, dtype,
-                                backend, epochs, here], capture_output=True, text=True,
-                               env=run_env, timeout=left)
-            if r.returncode != 0:
-                raise RuntimeError(r.stderr[-1200:])
-            row.update(json.loads(r.stdout.strip().splitlines()[-1]))
+            row.update(_child(_COMPILE_BREAKDOWN, args, left, epochs=2 if args.quick else 20,
+                              scripts=str(Path(__file__).resolve().parent),
+                              env={"FOXHUNT_JAX_CACHE": "off", "XLA_FLAGS": (
+                                  os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}))
             p = row["programs"]
             print(f"  [{flags or 'default'}] " + ", ".join(
                 f"{k} lower {v['lower_s']:.1f} + compile {v['compile_s']:.1f} s "
@@ -500,20 +518,6 @@ def section_compileopts(args, out: dict) -> None:
 
 
 _SWEEP = """
-import json, sys, time
-t0 = time.perf_counter()
-from foxhunt_jax.jitcache import enable_compilation_cache
-enable_compilation_cache(sys.argv[1])
-import jax
-if sys.argv[2] != "default":
-    jax.config.update("jax_persistent_cache_enable_xla_caches", sys.argv[2])
-from foxhunt_jax.config import load_config
-from foxhunt_jax.training.trainer import Trainer
-jax.devices()
-cfg = load_config(sys.argv[3], [f"network.dtype={sys.argv[4]}", f"network.backend={sys.argv[5]}",
-                                sys.argv[6]])
-tr = Trainer.build(cfg)
-state = tr.init_state()
 t0 = time.perf_counter()
 tr.compile(state)
 wall = time.perf_counter() - t0
@@ -527,12 +531,8 @@ def section_compilesweep(args, out: dict) -> None:
     cache folder, a second compiles it with another ``network.v_max`` (new programs, all three,
     for XLA and for the executable cache) from the same folder, under each setting of JAX's
     ``jax_persistent_cache_enable_xla_caches`` (XLA's autotuning cache, its kernel cache)."""
-    import os
-    import subprocess
     import tempfile
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    dtype, backend = ("float32", "xla") if args.quick else ("bfloat16", "pallas")
     out["rows"] = []
     for setting in args.xla_cache_settings.split(","):
         row = {"xla_caches": setting}
@@ -543,14 +543,12 @@ def section_compilesweep(args, out: dict) -> None:
                 if left < 30:
                     out.setdefault("skipped", []).append(f"{setting} {step}")
                     continue
-                r = subprocess.run([sys.executable, "-c", _SWEEP, cache, setting, args.config,
-                                    dtype, backend, change], capture_output=True, text=True,
-                                   env=env, timeout=left)
-                if r.returncode != 0:
-                    row[step] = {"error": r.stderr[-1200:]}
-                    print(f"  {setting} {step}: FAILED {r.stderr[-600:]}", flush=True)
-                    continue
-                row[step] = json.loads(r.stdout.strip().splitlines()[-1])
+                try:
+                    row[step] = _child(_SWEEP, args, left, cache=cache, overrides=(change,),
+                                       xla_caches=None if setting == "default" else setting)
+                except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
+                    row[step] = {"error": str(e)}
+                    print(f"  {setting} {step}: FAILED {str(e)[-600:]}", flush=True)
             row["cache_mb"] = sum(f.stat().st_size for f in Path(cache).rglob("*")
                                   if f.is_file()) / 2**20
         out["rows"].append(row)
