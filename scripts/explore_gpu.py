@@ -19,7 +19,13 @@ default was chosen from, each in the same process so ratios are fair:
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
   it gives, under each set of XLA flags (``--compile-flag-sets``), each in a fresh process;
 - ``compilesweep``: a second config's compile (another ``network.v_max``) after a first filled the
-  cache folder, under each setting of JAX's XLA-side caches (``--xla-cache-settings``).
+  cache folder, under each setting of JAX's XLA-side caches (``--xla-cache-settings``);
+- ``kernelcompile``: the cold compile of each rollout kernel alone (collect and evaluate mode, a
+  program holding little else), each in a fresh process, to set against the phase programs';
+- ``profile``: the GPU kernels of the trainer's epochs under ``jax.profiler``: per phase the
+  kernels, their summed and overlapped (busy) time against the phase's wall time, the largest
+  kernels, and for the training phase the busy time per learner step (raw events of one epoch
+  go to ``--profile-events``).
 
 Usage (GPU)::
 
@@ -49,7 +55,8 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep")
+SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep",
+            "kernelcompile", "profile")
 
 
 def _setup(args, backend: str, dtype: str, n: int):
@@ -557,6 +564,154 @@ def section_compilesweep(args, out: dict) -> None:
               f"another v_max {fmt(row.get('second', {}))}", flush=True)
 
 
+_KERNEL_COMPILE = """
+import jax.numpy as jnp
+from foxhunt_jax.jitcache import jit
+from foxhunt_jax.training import collect, fused
+lr, p = tr.learner, tr.env_params["train"]
+if opts["mode"] == "collect":
+    keys = collect.step_keys(jax.random.key(0), tr.cfg.env.episode_length)
+    fn = lambda a, r, k: fused.collect_trajectory(lr, p, a, r, k, jnp.float32(0.1),
+                                                  tr.cfg.env.episode_length)
+    args = (state.agent.params, jax.tree.map(lambda x: x[0], state.rollout), keys)
+else:
+    va = tr.env_params["validation"]
+    fn = lambda a, s: fused.evaluate_trajectory(lr, a, va, s, tr.cfg.env.episode_length)
+    args = (state.agent.params, tr._val_starts_device())
+t0 = time.perf_counter()
+lowered = jit(fn).lower(*args)
+t1 = time.perf_counter()
+compiled = lowered.compile()
+t2 = time.perf_counter()
+jax.block_until_ready(compiled(*args))
+print(json.dumps({"lower_s": t1 - t0, "compile_s": t2 - t1, "startup_s": startup}))
+"""
+
+
+def section_kernelcompile(args, out: dict) -> None:
+    """The cold compile (no caches) of each rollout kernel in a program of its own, collect mode
+    (experience) and evaluate mode (validation), each in a fresh process: how much of the phase
+    programs' compile is the Pallas kernels' Triton compile."""
+    if args.quick:
+        out["skipped"] = "the rollout kernel needs network.backend=pallas (a GPU)"
+        return
+    for mode in ("collect", "evaluate"):
+        left = args._deadline - time.perf_counter()
+        if left < 30:
+            out.setdefault("skipped", []).append(mode)
+            continue
+        try:
+            out[mode] = _child(_KERNEL_COMPILE, args, left, mode=mode,
+                               env={"FOXHUNT_JAX_CACHE": "off"})
+            print(f"  rollout kernel, {mode} mode: lower {out[mode]['lower_s']:.1f} s, compile "
+                  f"{out[mode]['compile_s']:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
+            out[mode] = {"error": str(e)}
+            print(f"  {mode}: FAILED {str(e)[-600:]}", flush=True)
+
+
+def _annotated(name: str, fn):
+    """``fn`` inside a profiler annotation ``phase:name`` that ends once its results are ready."""
+    def call(*a):
+        with jax.profiler.TraceAnnotation(f"phase:{name}"):
+            return jax.block_until_ready(fn(*a))
+    return call
+
+
+def _busy_ns(events: list) -> int:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0, None
+    for s, e in sorted(events):
+        if end is None or s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+def _gpu_events(path: str) -> tuple[list, list, list]:
+    """(phase windows ``(name, start, end)``, kernels ``(start, end, stream, name)``, the GPU
+    plane's line names) of a trace."""
+    pd = jax.profiler.ProfileData.from_file(path)
+    windows, kernels, lines = [], [], []
+    for plane in pd.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                windows += [(e.name[6:], e.start_ns, e.end_ns) for e in line.events
+                            if e.name.startswith("phase:")]
+        elif plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                lines.append(line.name)
+                if line.name.startswith("Stream"):
+                    kernels += [(e.start_ns, e.end_ns, line.name, e.name) for e in line.events
+                                if "memcpy" not in e.name.lower()]
+    return sorted(windows, key=lambda w: w[1]), sorted(kernels), lines
+
+
+def section_profile(args, out: dict) -> None:
+    """The trainer's seed epochs (pallas/bf16 on a GPU) under jax.profiler: what the GPU runs in
+    each phase, from CUPTI's kernel records."""
+    import tempfile
+    from glob import glob
+
+    backend, dtype = _child_variant(args)
+    cfg = _variant_cfg(SimpleNamespace(config=args.config, overrides=args.overrides), backend,
+                       dtype)
+    from foxhunt_jax.data.loader import load_market
+
+    tr = _build_trainer(cfg, load_market(cfg.data.source, sort=cfg.data.sort,
+                                         synthetic=cfg.data.synthetic))
+    state = tr.init_state()
+    tr.compile(state)
+    tr._phases = {n: _annotated(n, f) for n, f in tr._phases.items()}
+    for _ in range(3):
+        state, _ = tr.run_epoch(state)
+    epochs = args.profile_epochs
+    with tempfile.TemporaryDirectory(prefix="foxhunt-profile-") as d:
+        with jax.profiler.trace(d):
+            for _ in range(epochs):
+                state, rec = tr.run_epoch(state)
+        windows, kernels, lines = _gpu_events(glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    out.update(variant=f"{backend}/{dtype}", epochs=epochs, gpu_lines=lines, phases={})
+    k = cfg.train.train_steps
+    raw = []
+    for i, (name, w0, w1) in enumerate(windows):
+        ks = [x for x in kernels if w0 <= x[0] and x[1] <= w1]
+        if i < 3:
+            raw += [(name, x[0] - w0, x[1] - x[0], x[2], x[3]) for x in ks]
+        agg = out["phases"].setdefault(name, {"wall_us": [], "busy_us": [], "kernel_sum_us": [],
+                                              "kernels": [], "streams": [], "by_name": {}})
+        agg["wall_us"].append((w1 - w0) / 1e3)
+        agg["busy_us"].append(_busy_ns([(x[0], x[1]) for x in ks]) / 1e3)
+        agg["kernel_sum_us"].append(sum(x[1] - x[0] for x in ks) / 1e3)
+        agg["kernels"].append(len(ks))
+        agg["streams"].append(len({x[2] for x in ks}))
+        for x in ks:
+            c = agg["by_name"].setdefault(x[3][:120], [0, 0.0])
+            c[0] += 1
+            c[1] += (x[1] - x[0]) / 1e3
+    for name, agg in out["phases"].items():
+        n = len(agg["wall_us"])
+        top = sorted(agg.pop("by_name").items(), key=lambda kv: -kv[1][1])[:20]
+        agg["top_kernels"] = [{"name": nm, "per_call": c / n, "us_per_call": t / n}
+                              for nm, (c, t) in top]
+        for key in ("wall_us", "busy_us", "kernel_sum_us", "kernels", "streams"):
+            agg[key] = statistics.median(agg[key])
+        per = (f", per learner step: busy {agg['busy_us'] / k:.1f} us, "
+               f"{agg['kernels'] / k:.0f} kernels") if name == "training" else ""
+        print(f"  {name}: wall {agg['wall_us']:.0f} us, GPU busy {agg['busy_us']:.0f} us, kernel "
+              f"sum {agg['kernel_sum_us']:.0f} us, {agg['kernels']:.0f} kernels on "
+              f"{agg['streams']:.0f} streams{per}", flush=True)
+        for t in agg["top_kernels"][:6]:
+            print(f"      {t['us_per_call']:8.1f} us  x{t['per_call']:.0f}  {t['name'][:90]}",
+                  flush=True)
+    if args.profile_events:
+        Path(args.profile_events).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.profile_events).write_text(json.dumps(
+            {"fields": ["phase", "start_ns_in_phase", "duration_ns", "stream", "name"],
+             "events": raw}))
+
+
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
     """``"128x8,128x8x64"`` -> (rows, warps, max_chunk or None) per launch shape."""
     out = []
@@ -602,6 +757,9 @@ def main(argv=None) -> dict:
                     help="';'-separated XLA compile-option sets name=value[,name=value], each "
                          "timed as a learner variant")
     ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
+    ap.add_argument("--profile-epochs", type=int, default=3, help="epochs traced by profile")
+    ap.add_argument("--profile-events", default=None,
+                    help="write the profile's raw kernel events of one epoch here (JSON)")
     args = ap.parse_args(argv)
     q = args.quick
     args.config = "smoke" if q else "seed"
