@@ -330,6 +330,41 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                 print(f"  forward pallas/{dtype} {name}: FAILED {chk_row['error'][:300]}",
                       flush=True)
             out.setdefault("equality", []).append(chk_row)
+        if dtype == "bfloat16" and deadline.ok(30):
+            _logits_rows(out, net, params, obs_chk, inputs, reps, flops)
+
+
+def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops: int) -> None:
+    """The forward that returns logits (initial priorities, validation loss): Flax on XLA
+    against ``fused_logits`` (default launch shape), timed at each N, and their largest relative
+    difference on the fresh inputs."""
+    import numpy as np
+
+    from foxhunt_jax.jitcache import jit
+    from pallas_kernels.q_forward import fused_logits
+
+    fns = {"xla": jit(net.apply), "pallas": jit(lambda p, o: fused_logits(p, o, net))}
+    try:
+        def flat(xs):
+            return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in xs], axis=1)
+
+        got, ref = flat(fns["pallas"](params, obs_chk)), flat(fns["xla"](params, obs_chk))
+        rel = float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+        out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
+                                               "dtype": net.dtype, "kind": "logits",
+                                               "logits_rel_err": rel})
+        for n, obs in inputs.items():
+            for backend, f in fns.items():
+                ms = time_calls(lambda: f(params, obs), reps, warmup=2)
+                out["rows"].append({"n": n, "backend": backend, "dtype": net.dtype,
+                                    "config": "logits", **_fwd_rates(ms, n, flops)})
+                print(f"  logits forward N={n} {backend}/{net.dtype}: {statistics.median(ms):.3f} "
+                      f"ms" + (f", rel err vs Flax {rel:.2e}" if backend == "pallas" else ""),
+                      flush=True)
+    except Exception as e:
+        out.setdefault("equality", []).append({"kind": "logits",
+                                               "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        print(f"  logits forward: FAILED {str(e)[:300]}", flush=True)
 
 
 def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:

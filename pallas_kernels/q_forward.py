@@ -209,13 +209,16 @@ def _softmax_mean(logits, z, axis):
     return jnp.sum(e * z, axis=axis) / jnp.sum(e, axis=axis)
 
 
-def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None) -> list:
+def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None,
+                 on_logits=None) -> list:
     """The network on one block of rows inside a kernel -> per-branch greedy actions.
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
     dtype; ``ops``: operand name -> ref (:func:`operand_names`); ``z`` ``[Kp]`` f32 (zero past
     K). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]`` (grouped,
-    -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action).
+    -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action). ``on_logits``
+    (optional) receives the dueling logits the same way: ``on_logits(d, [BM, n_pad, Kp])`` or
+    ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding (finite, to be dropped).
     Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``).
     """
     sizes = plan.chunks(plan.obs_dim)
@@ -245,6 +248,8 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None)
             # padded actions are exact zeros, so the sum over all npad rows is the sum over n
             mean = jnp.sum(a, axis=1) * jnp.float32(1.0 / n)
             logits = v[:, None, :] + a - mean[:, None, :]
+            if on_logits is not None:
+                on_logits(d, logits)
             logits = jnp.where(atom_ok[:, None, :], logits, neg_inf)
             q = _softmax_mean(logits, z[None, None, :], axis=2)  # [BM, npad]
             act_ok = jax.lax.broadcasted_iota(jnp.int32, (1, npad), 1) < n
@@ -261,6 +266,8 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None)
             mean = mean * jnp.float32(1.0 / n)
             best_q = best_a = None
             for a, a_t in enumerate(advs):
+                if on_logits is not None:
+                    on_logits((d, a), v + a_t - mean)
                 logits = jnp.where(atom_ok, v + a_t - mean, neg_inf)
                 q = _softmax_mean(logits, z[None, :], axis=1)  # [BM]
                 if on_q is not None:
@@ -275,12 +282,22 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None)
     return actions
 
 
-def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
+def _kernel(plan: Plan, cd, layout: str, with_q: bool, with_logits: bool, x_ref, z_ref, *refs):
+    """Outputs, in order: expected Q (``with_q``), one logits block ``[BM, n_pad, Kp]`` per
+    branch (``with_logits``), actions."""
     n_ops = len(operand_names(plan))
     ops = dict(zip(operand_names(plan), refs[:n_ops]))
     outs = refs[n_ops:]
     q_ref = outs[0] if with_q else None
+    logit_refs = outs[int(with_q):-1]
     act_ref = outs[-1]
+
+    def store_logits(where, logits):
+        if isinstance(where, tuple):
+            d, a = where
+            logit_refs[d][:, a, :] = logits
+        else:
+            logit_refs[where][...] = logits
 
     def store_q(where, q):
         if isinstance(where, tuple):
@@ -291,7 +308,8 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, x_ref, z_ref, *refs):
 
     sizes = plan.chunks(plan.obs_dim)
     xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
-    actions = forward_rows(plan, cd, layout, ops, xs, z_ref[...], store_q if with_q else None)
+    actions = forward_rows(plan, cd, layout, ops, xs, z_ref[...], store_q if with_q else None,
+                           store_logits if with_logits else None)
     for d, a in enumerate(actions):
         act_ref[:, d] = a
 
@@ -363,6 +381,51 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
     return run
 
 
+def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
+         with_logits: bool, config: KernelConfig | None, interpret: bool | None):
+    """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B])."""
+    if config is None:
+        config = default_config(network.dtype)
+    if config.layout not in LAYOUTS:
+        raise ValueError(f"fused_q_forward: layout must be one of {LAYOUTS}, got {config.layout!r}")
+    n, dim = obs.shape
+    plan = make_plan(network, dim, config.max_chunk)
+    cd = _DTYPES[network.dtype]
+    bm = block_rows_for(n, config)
+    rows = -(-n // bm) * bm
+    dp = plan.padded(dim)
+    x = _pad2(jnp.asarray(obs, jnp.float32), rows, dp).astype(cd)
+    packed = pack_params(params, plan, network.dtype)
+    operands = [packed[k] for k in operand_names(plan)]
+    z = jnp.pad(jnp.asarray(support, jnp.float32), (0, plan.atoms_pad - plan.atoms))
+    nb, kp = len(plan.branch_sizes), plan.atoms_pad
+
+    full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
+    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0)), full(z)] + [full(a) for a in operands]
+    out_shape, out_specs = [], []
+    if with_q:
+        out_shape.append(jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
+        out_specs.append(pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
+    if with_logits:
+        for d in range(nb):
+            npad = plan.actions_pad(d)
+            out_shape.append(jax.ShapeDtypeStruct((rows, npad, kp), jnp.float32))
+            out_specs.append(pl.BlockSpec((bm, npad, kp), lambda i: (i, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((rows, nb), jnp.int32))
+    out_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
+
+    kernel = functools.partial(_kernel, plan, cd, config.layout, with_q, with_logits)
+    outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
+                  tuple(out_shape), interpret)(x, z, *operands)
+    q = logits = None
+    if with_q:
+        q = tuple(outs[0][:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
+    if with_logits:
+        logits = tuple(x[:n, :nd, :plan.atoms]
+                       for x, nd in zip(outs[int(with_q):-1], plan.branch_sizes))
+    return q, logits, outs[-1][:n]
+
+
 def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
                     with_q: bool = True, config: KernelConfig | None = None,
                     interpret: bool | None = None):
@@ -381,39 +444,21 @@ def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
       when ``with_q`` is False) and ``actions [N, B]`` int32, the per-branch argmax (the first
       of equal maxima).
     """
-    if config is None:
-        config = default_config(network.dtype)
-    if config.layout not in LAYOUTS:
-        raise ValueError(f"fused_q_forward: layout must be one of {LAYOUTS}, got {config.layout!r}")
-    n, dim = obs.shape
-    plan = make_plan(network, dim, config.max_chunk)
-    cd = _DTYPES[network.dtype]
-    bm = block_rows_for(n, config)
-    rows = -(-n // bm) * bm
-    dp = plan.padded(dim)
-    x = _pad2(jnp.asarray(obs, jnp.float32), rows, dp).astype(cd)
-    packed = pack_params(params, plan, network.dtype)
-    operands = [packed[k] for k in operand_names(plan)]
-    z = jnp.pad(jnp.asarray(support, jnp.float32), (0, plan.atoms_pad - plan.atoms))
-    nb = len(plan.branch_sizes)
-
-    full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
-    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0)), full(z)] + [full(a) for a in operands]
-    out_shape = [jax.ShapeDtypeStruct((rows, nb), jnp.int32)]
-    out_specs = [pl.BlockSpec((bm, nb), lambda i: (i, 0))]
-    if with_q:
-        out_shape.insert(0, jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
-        out_specs.insert(0, pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
-
-    kernel = functools.partial(_kernel, plan, cd, config.layout, with_q)
-    outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
-                  tuple(out_shape), interpret)(x, z, *operands)
-    actions = outs[-1][:n]
-    q = None
-    if with_q:
-        qs = outs[0]
-        q = tuple(qs[:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
+    q, _, actions = _run(params, obs, network, support, with_q, False, config, interpret)
     return q, actions
+
+
+def fused_logits(params: Any, obs: jax.Array, network, *, config: KernelConfig | None = None,
+                 interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """``network.apply(params, obs)`` in one fused kernel: per-branch logits ``[N, n_d, K]``
+    float32 of ``obs [N, D]`` (no gradient; the learner's update keeps the Flax forward).
+
+    Each program writes its rows' logits padded to ``[BM, n_pad, Kp]`` per branch (Triton's
+    power-of-two blocks); the padding is sliced off outside the kernel.
+    """
+    support = jnp.zeros((network.atoms,), jnp.float32)  # actions are computed but not used
+    _, logits, _ = _run(params, obs, network, support, False, True, config, interpret)
+    return logits
 
 
 def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
@@ -429,6 +474,7 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "forward_rows", "launch", "on_cuda", "operand_names", "pack_params",
-           "make_plan", "Plan", "KernelConfig", "DEFAULT_CONFIGS", "default_config", "LAYOUTS",
-           "chunks", "block_rows_for", "forward_flops"]
+__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "launch", "on_cuda",
+           "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
+           "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
+           "forward_flops"]

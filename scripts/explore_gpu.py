@@ -610,11 +610,17 @@ def section_kernelcompile(args, out: dict) -> None:
             print(f"  {mode}: FAILED {str(e)[-600:]}", flush=True)
 
 
-def _annotated(name: str, fn):
-    """``fn`` inside a profiler annotation ``phase:name`` that ends once its results are ready."""
+def _annotated(name: str, fn, host: dict):
+    """``fn`` inside a profiler annotation ``phase:name`` that ends once its results are ready;
+    appends (ms until the call returned, ms until its results were ready) to ``host[name]``."""
     def call(*a):
         with jax.profiler.TraceAnnotation(f"phase:{name}"):
-            return jax.block_until_ready(fn(*a))
+            t0 = time.perf_counter()
+            out = fn(*a)
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            host.setdefault(name, []).append(((t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+            return out
     return call
 
 
@@ -663,9 +669,22 @@ def section_profile(args, out: dict) -> None:
                                          synthetic=cfg.data.synthetic))
     state = tr.init_state()
     tr.compile(state)
-    tr._phases = {n: _annotated(n, f) for n, f in tr._phases.items()}
-    for _ in range(3):
-        state, _ = tr.run_epoch(state)
+    host = {}
+    tr._phases = {n: _annotated(n, f, host) for n, f in tr._phases.items()}
+    walls = {}
+    for e in range(3 + args.reps):  # untraced: how long the host takes to launch each phase
+        state, rec = tr.run_epoch(state)
+        if e >= 3:
+            for name, ms in rec["phase_ms"].items():
+                walls.setdefault(name, []).append(ms)
+    out["untraced"] = {name: {"dispatch_ms": statistics.median(d for d, _ in v[3:]),
+                              "ready_ms": statistics.median(r for _, r in v[3:]),
+                              "phase_ms": statistics.median(walls[name])}
+                       for name, v in host.items()}
+    for name, v in out["untraced"].items():
+        print(f"  {name} (untraced): the call returns after {v['dispatch_ms']:.3f} ms, results "
+              f"ready after {v['ready_ms']:.3f} ms; the trainer's phase time {v['phase_ms']:.3f} "
+              f"ms", flush=True)
     epochs = args.profile_epochs
     with tempfile.TemporaryDirectory(prefix="foxhunt-profile-") as d:
         with jax.profiler.trace(d):

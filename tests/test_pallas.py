@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.learner import epsilon_greedy
-from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, greedy_actions,
-                                       q_forward, support)
+from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, forward_logits,
+                                       greedy_actions, q_forward, support)
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
-from pallas_kernels.q_forward import (KernelConfig, chunks, forward_flops, fused_q_forward,
-                                      make_plan, pack_params)
+from pallas_kernels import q_forward as qf
+from pallas_kernels.q_forward import (KernelConfig, chunks, forward_flops, fused_logits,
+                                      fused_q_forward, make_plan, pack_params)
 
 D = 40
 BRANCHES = (5, 3, 3)
@@ -68,7 +69,17 @@ def _flax(net: QNetwork, z_len: int):
 
 
 def _np_forward(params, obs, net: QNetwork, z):
-    """Float64 forward from the layer formulas; bf16 networks round GEMM inputs to bf16."""
+    """Float64 expected Q per branch from :func:`_np_logits`."""
+    qs = []
+    for logits in _np_logits(params, obs, net):
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        qs.append((e / e.sum(axis=-1, keepdims=True)) @ np.asarray(z, np.float64))
+    return qs
+
+
+def _np_logits(params, obs, net: QNetwork):
+    """Float64 logits per branch ``[N, n_d, K]`` from the layer formulas; bf16 networks round
+    GEMM inputs to bf16."""
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)["params"]
     if net.dtype == "bfloat16":
         rnd = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)
@@ -82,14 +93,12 @@ def _np_forward(params, obs, net: QNetwork, z):
     for i in range(len(net.trunk)):
         h = np.maximum(dense(f"trunk_{i}", h), 0.0)
     v = dense("value_out", np.maximum(dense("value_hidden", h), 0.0))
-    qs = []
+    out = []
     for d, n in enumerate(net.branch_sizes):
         a = dense(f"adv{d}_out", np.maximum(dense(f"adv{d}_hidden", h), 0.0))
         a = a.reshape(a.shape[:-1] + (n, net.atoms))
-        logits = v[:, None, :] + a - a.mean(axis=1, keepdims=True)
-        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        qs.append((e / e.sum(axis=-1, keepdims=True)) @ np.asarray(z, np.float64))
-    return qs
+        out.append(v[:, None, :] + a - a.mean(axis=1, keepdims=True))
+    return out
 
 
 def _rel(a, b) -> float:
@@ -170,6 +179,53 @@ def test_odd_widths_and_one_branch(rng, layout):
     chex.assert_shape((q[0], a), [(40, 6), (40, 1)])
     assert _rel(q[0], ref[0]) < 1e-5
     _check_actions(a, q, ref)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_kernel_equals_flax_and_float64(rng, layout, dtype):
+    """fused_logits is network.apply: the default network in both dtypes and both layouts,
+    rows that get padded (45 of 64)."""
+    net = _net(dtype)
+    params = _params(rng, net, D)
+    obs = jnp.asarray(2.0 * rng.standard_normal((45, D)), jnp.float32)
+    cfg = KernelConfig(block_rows=32, num_warps=4, layout=layout)
+    logits = jax.jit(lambda p, o: fused_logits(p, o, net, config=cfg, interpret=True))(params, obs)
+    flax_logits = jax.jit(net.apply)(params, obs)
+    ref = _np_logits(params, obs, net)
+    tol = 1e-5 if dtype == "float32" else 5e-3  # bf16: see test_bf16_kernel_equals_flax_bf16
+    for d, n in enumerate(BRANCHES):
+        chex.assert_shape(logits[d], (45, n, 11))
+        chex.assert_type(logits[d], jnp.float32)
+        assert _rel(logits[d], flax_logits[d]) < tol
+        assert _rel(logits[d], ref[d]) < tol
+
+
+def test_forward_logits_backends_agree_with_leading_axes(rng):
+    net = _net("float32", (6,), (48, 37), 24, 7)
+    params = _params(rng, net, 13)
+    obs = jnp.asarray(rng.standard_normal((2, 9, 13)), jnp.float32)
+    fwd = jax.jit(lambda p, o, b: forward_logits(p, o, net, b), static_argnums=2)
+    x, p = fwd(params, obs, "xla"), fwd(params, obs, "pallas")  # interpret mode off a CUDA GPU
+    chex.assert_shape([x[0], p[0]], [(2, 9, 6, 7)] * 2)
+    assert _rel(p[0], x[0]) < 1e-5
+    assert _rel(p[0], _np_logits(params, obs.reshape(18, 13), net)[0].reshape(2, 9, 6, 7)) < 1e-5
+    with pytest.raises(ConfigError, match="network.backend"):
+        forward_logits(params, obs, net, "cuda")
+
+
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
+    """Pallas -> Triton lowering of the logits outputs (3-D blocks; one action row at a time in
+    the per-action layout) at the default network width, no GPU needed."""
+    monkeypatch.setattr(qf, "on_cuda", lambda: True)
+    net = _net("bfloat16")
+    params = _init_fn(net, D)(jax.random.key(0))
+    cfg = KernelConfig(layout=layout)
+    fn = jax.jit(lambda p, o: fused_logits(p, o, net, config=cfg))
+    text = fn.trace(params, jnp.zeros((300, D), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "fused_q_forward" in text
 
 
 def test_narrow_operand_blocks_equal_flax(rng):

@@ -178,6 +178,26 @@ def test_fused_evaluation_equals_scan(tables, overrides):
     assert not bool(jnp.all(ref["alive"]))  # some windows ended early (length or ruin)
 
 
+def test_validation_loss_backends_agree(tables):
+    """The validation loss runs its three forwards through the fused kernel (interpret mode
+    here) under the Pallas backend: the same loss as the Flax forwards."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    loss = {}
+    for backend in ("xla", "pallas"):
+        _, params, learner = _setup(tables, backend, split="validation")
+        agent = _agent(learner, params, seed)
+        starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 12))
+        traj = jax.jit(lambda p, s, _l=learner, _e=params: validate.greedy_rollout(
+            _l, p, _e, s, 6, jax.random.key(0)))(agent.params, starts)
+        if backend == "xla":
+            ref_traj = traj  # both losses on one trajectory, so only the forwards differ
+        loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
+            _l, a.params, a.target_params, _e, t))(agent, ref_traj)
+    chex.assert_shape(loss["pallas"], ())
+    np.testing.assert_allclose(float(loss["pallas"]), float(loss["xla"]), rtol=1e-5)
+    assert float(loss["xla"]) > 0.0
+
+
 def test_rollout_arguments_are_checked(tables):
     _, params, learner = _setup(tables, "pallas")
     agent = _agent(learner, params, 0)

@@ -31,7 +31,7 @@ from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import c51_double_q_loss
-from foxhunt_jax.agent.network import QNetwork, init_params, support as make_support
+from foxhunt_jax.agent.network import QNetwork, forward_logits, init_params, support as make_support
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
@@ -106,9 +106,14 @@ def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
 
 
 def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
-                    discount) -> jax.Array:
-    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s')."""
-    apply = learner.network.apply
+                    discount, backend: str = "xla") -> jax.Array:
+    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s').
+
+    ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.forward_logits`): the
+    update differentiates the default ``"xla"`` (Flax); initial priorities and the validation
+    loss, which need no gradient, pass the network's configured backend.
+    """
+    apply = lambda p, x: forward_logits(p, x, learner.network, backend)  # noqa: E731
     online_s = apply(params, obs)
     online_next = apply(params, next_obs)
     target_next = apply(target_params, next_obs)

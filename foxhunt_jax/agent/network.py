@@ -189,6 +189,26 @@ def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
     return q, actions
 
 
+def forward_logits(params: Any, obs: jax.Array, network: QNetwork, backend: str = "xla"):
+    """``network.apply(params, obs)`` for callers that need no gradient (initial priorities,
+    the validation loss): per-branch logits ``[..., n_d, K]`` float32.
+
+    ``backend="pallas"`` runs the same network as one fused kernel
+    (:func:`pallas_kernels.q_forward.fused_logits`, tested equal); the learner's update always
+    uses ``network.apply``, which provides gradients.
+    """
+    if backend == "xla":
+        return network.apply(params, obs)
+    if backend != "pallas":
+        raise ConfigError(f"config key 'network.backend' must be one of {BACKENDS}, got "
+                          f"{backend!r}")
+    from pallas_kernels.q_forward import fused_logits
+
+    lead, dim = obs.shape[:-1], obs.shape[-1]
+    logits = fused_logits(params, obs.reshape(-1, dim), network)
+    return tuple(x.reshape(lead + x.shape[1:]) for x in logits)
+
+
 # flax's lecun_normal: a normal truncated to [-2, 2], rescaled to unit variance, times 1/sqrt(fan_in)
 _TRUNC_STD = 0.87962566103423978
 

@@ -226,7 +226,8 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
         obs = adapter.decode(it["obs"], env_params)
         next_obs = adapter.decode(it["next_obs"], env_params)
         return per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
-                               it["action"], it["reward"], it["discount"])
+                               it["action"], it["reward"], it["discount"],
+                               learner.net_cfg.backend)
 
     priorities = chunked(loss_of, items, PRIORITY_CHUNK)
     stats = {"reward": jnp.mean(extrinsic), "bonus": jnp.mean(bonus),

@@ -173,7 +173,7 @@ def validation_loss(learner: Learner, params, target_params, env_params, traj) -
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
                                "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
     losses = per_sample_loss(learner, params, target_params, obs, next_obs, flat(traj["action"]),
-                             flat(returns), flat(discounts))
+                             flat(returns), flat(discounts), learner.net_cfg.backend)
     weight = flat(traj["alive"]).astype(jnp.float32)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
