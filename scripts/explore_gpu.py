@@ -294,7 +294,9 @@ def section_learner(args, out: dict) -> None:
         s = _setup(args, "xla", dtype, args.small_n)
         tr = s.tr
         state = tr.init_state()
-        exp = jax.jit(lambda p, st: experience_phase(s.learner, s.cfg, p, st, jnp.float32(0.5)))
+        # epsilon 0.5 in every epoch (schedule_values' layout: epsilon start, end, span, beta's)
+        sched = jnp.asarray([0.5, 0.5, 1.0, 0.4, 0.4, 1.0], jnp.float32)
+        exp = jax.jit(lambda p, st: experience_phase(s.learner, s.cfg, p, st, sched))
         for _ in range(2):  # a buffer with 2 epochs of transitions
             state, _ = exp(s.env_p, state)
         decode = lambda it: (trading.decode(it["obs"], s.env_p),  # noqa: E731
@@ -635,23 +637,26 @@ def _busy_ns(events: list) -> int:
     return total
 
 
-def _gpu_events(path: str) -> tuple[list, list, list]:
+def _gpu_events(path: str) -> tuple[list, list, list, list]:
     """(phase windows ``(name, start, end)``, kernels ``(start, end, stream, name)``, the GPU
-    plane's line names) of a trace."""
+    plane's line names, host events of 10 us or more ``(start, end, thread, name)``) of a
+    trace."""
     pd = jax.profiler.ProfileData.from_file(path)
-    windows, kernels, lines = [], [], []
+    windows, kernels, lines, host = [], [], [], []
     for plane in pd.planes:
         if plane.name.startswith("/host"):
             for line in plane.lines:
                 windows += [(e.name[6:], e.start_ns, e.end_ns) for e in line.events
                             if e.name.startswith("phase:")]
+                host += [(e.start_ns, e.end_ns, line.name, e.name) for e in line.events
+                         if e.duration_ns >= 10_000 and not e.name.startswith("phase:")]
         elif plane.name.startswith("/device:GPU:0"):
             for line in plane.lines:
                 lines.append(line.name)
                 if line.name.startswith("Stream"):
                     kernels += [(e.start_ns, e.end_ns, line.name, e.name) for e in line.events
                                 if "memcpy" not in e.name.lower()]
-    return sorted(windows, key=lambda w: w[1]), sorted(kernels), lines
+    return sorted(windows, key=lambda w: w[1]), sorted(kernels), lines, sorted(host)
 
 
 def section_profile(args, out: dict) -> None:
@@ -690,14 +695,18 @@ def section_profile(args, out: dict) -> None:
         with jax.profiler.trace(d):
             for _ in range(epochs):
                 state, rec = tr.run_epoch(state)
-        windows, kernels, lines = _gpu_events(glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        windows, kernels, lines, host_events = _gpu_events(
+            glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     out.update(variant=f"{backend}/{dtype}", epochs=epochs, gpu_lines=lines, phases={})
     k = cfg.train.train_steps
-    raw = []
+    raw, raw_host = [], []
     for i, (name, w0, w1) in enumerate(windows):
         ks = [x for x in kernels if w0 <= x[0] and x[1] <= w1]
         if i < 3:
             raw += [(name, x[0] - w0, x[1] - x[0], x[2], x[3]) for x in ks]
+            # what the host does in the phase's window before and while the GPU runs it
+            raw_host += [(name, x[0] - w0, x[1] - x[0], x[2], x[3][:200]) for x in host_events
+                         if w0 <= x[0] < w1]
         agg = out["phases"].setdefault(name, {"wall_us": [], "busy_us": [], "kernel_sum_us": [],
                                               "kernels": [], "streams": [], "by_name": {}})
         agg["wall_us"].append((w1 - w0) / 1e3)
@@ -728,7 +737,8 @@ def section_profile(args, out: dict) -> None:
         Path(args.profile_events).parent.mkdir(parents=True, exist_ok=True)
         Path(args.profile_events).write_text(json.dumps(
             {"fields": ["phase", "start_ns_in_phase", "duration_ns", "stream", "name"],
-             "events": raw}))
+             "events": raw, "host_fields": ["phase", "start_ns_in_phase", "duration_ns",
+                                            "thread", "name"], "host_events": raw_host}))
 
 
 def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:

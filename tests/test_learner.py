@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent import replay
-from foxhunt_jax.agent.learner import (beta_at, epsilon_at, epsilon_greedy, init_agent,
+from foxhunt_jax.agent.learner import (beta_at, beta_from, epsilon_at, epsilon_from,
+                                       epsilon_greedy, init_agent, schedule_values,
                                        make_learner, per_sample_loss, train_steps)
 from foxhunt_jax.agent.network import expected_q
 from foxhunt_jax.config import load_config
@@ -105,6 +106,14 @@ def test_schedules():
     assert float(epsilon_at(cfg.train, 50)) == pytest.approx(0.1)
     assert float(beta_at(cfg.replay, cfg.train, 0)) == pytest.approx(0.4)
     assert float(beta_at(cfg.replay, cfg.train, 10)) == pytest.approx(1.0)
+    # the phase programs compute both on the device from schedule_values and the epoch counter
+    sched = jnp.asarray(schedule_values(cfg.replay, cfg.train))
+    on_device = jax.jit(lambda s, e: (epsilon_from(s, e), beta_from(s, e)))
+    for epoch in (0, 3, 5, 10, 11, 50):
+        eps, beta = on_device(sched, jnp.int32(epoch))
+        chex.assert_type([eps, beta], jnp.float32)
+        assert float(eps) == pytest.approx(epsilon_at(cfg.train, epoch), rel=1e-6)
+        assert float(beta) == pytest.approx(beta_at(cfg.replay, cfg.train, epoch), rel=1e-6)
 
 
 def test_epsilon_greedy_explores_at_rate():

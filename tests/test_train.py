@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax import api
+from foxhunt_jax.agent.learner import beta_at, epsilon_at
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import NonFiniteError
@@ -39,7 +40,8 @@ def without_timing(records):
 
 def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_path):
     out = tmp_path / "run"
-    res = api.train(load_config("smoke"), out, progress=False, log=lambda s: None)
+    cfg = load_config("smoke")
+    res = api.train(cfg, out, progress=False, log=lambda s: None)
     assert (out / "config.yaml").exists()
     recs = read_metrics(out)
     assert [r["epoch"] for r in recs] == [1, 2, 3]
@@ -48,6 +50,11 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
         assert r["env_steps"] == r["epoch"] * 32 * 20
         assert TRADING <= set(r["val"]) and TRADING <= set(r["val_buy_and_hold"])
         assert np.isfinite(r["loss"]) and 0 <= r["epsilon"] <= 1
+        # the rates the programs used (computed on the device from the epoch counter)
+        assert r["epsilon"] == pytest.approx(epsilon_at(cfg.train, r["epoch"] - 1), rel=1e-6)
+        assert r["beta"] == pytest.approx(beta_at(cfg.replay, cfg.train, r["epoch"] - 1),
+                                          rel=1e-6)
+    assert recs[0]["epsilon"] != recs[-1]["epsilon"]
     assert recs[0]["phase_ms"]["compile"] > 0 and recs[1]["phase_ms"]["compile"] == 0
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert checkpoint.latest_step(out / "checkpoints") == 3

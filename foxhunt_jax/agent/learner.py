@@ -26,6 +26,7 @@ from typing import Any, Callable
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -196,20 +197,54 @@ def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: rep
     return agent, buffer, jax.tree.map(jnp.mean, ms)
 
 
-def epsilon_at(train_cfg: TrainConfig, epoch: int) -> float:
-    """Linear decay from epsilon_start to epsilon_end over epsilon_decay_epochs (epoch 0-based).
+def linear_schedule(start, end, span, epoch):
+    """``start`` moving linearly to ``end`` over ``span`` epochs, then ``end`` (epoch 0-based).
 
-    Host-side: the value enters the jitted phases as an argument, so one compiled program serves
-    every epoch and every run length.
+    Python numbers give a Python float (the host's view); any JAX array (a traced epoch inside
+    a phase program) gives a float32 array.
     """
-    frac = min(max(epoch / train_cfg.epsilon_decay_epochs, 0.0), 1.0)
-    return train_cfg.epsilon_start + frac * (train_cfg.epsilon_end - train_cfg.epsilon_start)
+    if all(isinstance(v, (int, float, np.number)) for v in (start, end, span, epoch)):
+        frac = min(max(epoch / span, 0.0), 1.0)
+    else:
+        frac = jnp.clip(jnp.asarray(epoch, jnp.float32) / span, 0.0, 1.0)
+    return start + frac * (end - start)
+
+
+def epsilon_at(train_cfg: TrainConfig, epoch: int) -> float:
+    """Exploration rate of an epoch: linear decay from epsilon_start to epsilon_end over
+    epsilon_decay_epochs."""
+    return linear_schedule(train_cfg.epsilon_start, train_cfg.epsilon_end,
+                           train_cfg.epsilon_decay_epochs, epoch)
 
 
 def beta_at(replay_cfg: ReplayConfig, train_cfg: TrainConfig, epoch: int) -> float:
     """Importance-sampling exponent annealed linearly from beta_start to beta_end over the run."""
-    frac = min(max(epoch / max(train_cfg.epochs - 1, 1), 0.0), 1.0)
-    return replay_cfg.beta_start + frac * (replay_cfg.beta_end - replay_cfg.beta_start)
+    return linear_schedule(replay_cfg.beta_start, replay_cfg.beta_end,
+                           max(train_cfg.epochs - 1, 1), epoch)
+
+
+def schedule_values(replay_cfg: ReplayConfig, train_cfg: TrainConfig) -> np.ndarray:
+    """``[6]`` float32: epsilon's start, end and span, then beta's, as :func:`epsilon_at` and
+    :func:`beta_at` use them.
+
+    The phase programs take this array as an argument and compute both rates from the epoch
+    counter on the device (:func:`epsilon_from`, :func:`beta_from`): no host value enters a
+    program each epoch (a host scalar's transfer delayed each phase's start by ~0.5 ms on an
+    H200, BENCHMARKS.md), and one compiled program still serves every run length.
+    """
+    return np.asarray([train_cfg.epsilon_start, train_cfg.epsilon_end,
+                       train_cfg.epsilon_decay_epochs, replay_cfg.beta_start,
+                       replay_cfg.beta_end, max(train_cfg.epochs - 1, 1)], np.float32)
+
+
+def epsilon_from(schedule: jax.Array, epoch: jax.Array) -> jax.Array:
+    """:func:`epsilon_at` from :func:`schedule_values` (on the device)."""
+    return linear_schedule(schedule[0], schedule[1], schedule[2], epoch)
+
+
+def beta_from(schedule: jax.Array, epoch: jax.Array) -> jax.Array:
+    """:func:`beta_at` from :func:`schedule_values` (on the device)."""
+    return linear_schedule(schedule[3], schedule[4], schedule[5], epoch)
 
 
 def epsilon_greedy(key: jax.Array, logits: tuple, support: jax.Array, epsilon) -> jax.Array:

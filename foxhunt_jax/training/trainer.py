@@ -26,8 +26,8 @@ from flax import struct
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.learner import (AgentState, Learner, beta_at, epsilon_at, init_agent,
-                                       make_learner, train_steps)
+from foxhunt_jax.agent.learner import (AgentState, Learner, beta_from, epsilon_from, init_agent,
+                                       make_learner, schedule_values, train_steps)
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
@@ -103,7 +103,10 @@ def state_shardings(state: TrainerState, mesh) -> TrainerState:
                         rollout=jax.tree.map(lambda _: shd, state.rollout), key=rep, epoch=rep)
 
 
-def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, eps):
+def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, schedule):
+    """``schedule``: :func:`~foxhunt_jax.agent.learner.schedule_values`; stats include the
+    epoch's exploration rate."""
+    eps = epsilon_from(schedule, state.epoch)
     key, k = jax.random.split(state.key)
     rollout, items, priorities, rnd, stats = collect_shards(
         learner, TRADING_ADAPTER, env_params, state.agent, state.rollout, k, eps,
@@ -111,16 +114,20 @@ def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerSt
     buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
                                cfg.replay.priority_eps)
     agent = state.agent.replace(rnd=rnd)
-    return state.replace(agent=agent, buffer=buffer, rollout=rollout, key=key), stats
+    return state.replace(agent=agent, buffer=buffer, rollout=rollout, key=key), dict(stats,
+                                                                                    epsilon=eps)
 
 
-def training_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, beta):
+def training_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, schedule):
+    """``schedule``: :func:`~foxhunt_jax.agent.learner.schedule_values`; metrics include the
+    epoch's importance-sampling exponent."""
+    beta = beta_from(schedule, state.epoch)
     key, k = jax.random.split(state.key)
     decode = lambda items: (trading.decode(items["obs"], env_params),
                             trading.decode(items["next_obs"], env_params))
     agent, buffer, m = train_steps(learner, decode, state.agent, state.buffer, k, beta,
                                    cfg.train.train_steps)
-    m = dict(m, finite_params=all_finite(agent.params))
+    m = dict(m, finite_params=all_finite(agent.params), beta=beta)
     return state.replace(agent=agent, buffer=buffer, key=key, epoch=state.epoch + 1), m
 
 
@@ -151,6 +158,7 @@ class Trainer:
     _phases: dict | None = None
     mesh: Any = None  # jax.sharding.Mesh over the devices that run the phases
     _val_starts_dev: Any = None  # val_starts on this process's first device of the mesh
+    _schedule_dev: Any = None  # schedule_values on the mesh
 
     @classmethod
     def build(cls, cfg: Config, market: MarketData | None = None,
@@ -218,13 +226,13 @@ class Trainer:
         # the same numbers), so its program is the same for every mesh.
         sh, rep = self.shardings(state), parallel.replicated(self.mesh)
         exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1,
-                      in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
+                  in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         trn = jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
-                      in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
-        scalar = np.float32(0)
+                  in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
-        return {"experience": (exp, (tr, state, scalar)),
-                "training": (trn, (tr, state, scalar)),
+        sched = self._schedule_device()
+        return {"experience": (exp, (tr, state, sched)),
+                "training": (trn, (tr, state, sched)),
                 "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
 
     def compile(self, state: TrainerState, threads: bool = True) -> None:
@@ -254,17 +262,15 @@ class Trainer:
         ph, ms = self._phases, {}
         tr, va = self.env_params["train"], self.env_params["validation"]
 
-        done = int(state.epoch)  # epochs completed before this one
-        eps = epsilon_at(self.cfg.train, done)
-        beta = beta_at(self.cfg.replay, self.cfg.train, done)
+        sched = self._schedule_device()  # epsilon and beta follow state.epoch on the device
 
         t0 = time.perf_counter()
-        state, exp_stats = ph["experience"](tr, state, np.float32(eps))
+        state, exp_stats = ph["experience"](tr, state, sched)
         jax.block_until_ready(state)
         ms["experience"] = (time.perf_counter() - t0) * 1e3
 
         t0 = time.perf_counter()
-        state, learn = ph["training"](tr, state, np.float32(beta))
+        state, learn = ph["training"](tr, state, sched)
         jax.block_until_ready(state)
         ms["training"] = (time.perf_counter() - t0) * 1e3
 
@@ -286,8 +292,8 @@ class Trainer:
             "grad_norm": float(learn["grad_norm"]),
             "rnd_loss": float(learn["rnd_loss"]),
             "finite_params": bool(learn["finite_params"]),
-            "epsilon": eps,
-            "beta": beta,
+            "epsilon": float(exp_stats["epsilon"]),
+            "beta": float(learn["beta"]),
             "reward": float(exp_stats["reward"]),
             "bonus": float(exp_stats["bonus"]),
             "val_loss": float(val_loss),
@@ -295,6 +301,14 @@ class Trainer:
             "val_buy_and_hold": self._metrics(self._val_buy_and_hold()),
         }
         return state, record
+
+    def _schedule_device(self) -> jax.Array:
+        """:func:`~foxhunt_jax.agent.learner.schedule_values` of the config, replicated on the
+        mesh once."""
+        if self._schedule_dev is None:
+            self._schedule_dev = parallel.put_replicated(
+                schedule_values(self.cfg.replay, self.cfg.train), self.mesh)
+        return self._schedule_dev
 
     def _val_starts_device(self) -> jax.Array:
         if self._val_starts_dev is None:
