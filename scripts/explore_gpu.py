@@ -24,8 +24,9 @@ default was chosen from, each in the same process so ratios are fair:
   program holding little else), each in a fresh process, to set against the phase programs';
 - ``profile``: the GPU kernels of the trainer's epochs under ``jax.profiler``: per phase the
   kernels, their summed and overlapped (busy) time against the phase's wall time, the largest
-  kernels, and for the training phase the busy time per learner step (raw events of one epoch
-  go to ``--profile-events``).
+  kernels, and for the training phase the busy time per learner step; before the trace, in
+  untraced epochs, when each phase's call returns and when its results are ready (raw kernel
+  and host events of one epoch go to ``--profile-events``).
 
 Usage (GPU)::
 

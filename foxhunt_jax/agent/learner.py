@@ -32,7 +32,8 @@ from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import c51_double_q_loss
-from foxhunt_jax.agent.network import QNetwork, forward_logits, init_params, support as make_support
+from foxhunt_jax.agent.network import (QNetwork, forward_logits, init_params,
+                                       support as make_support)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
@@ -228,9 +229,9 @@ def schedule_values(replay_cfg: ReplayConfig, train_cfg: TrainConfig) -> np.ndar
     :func:`beta_at` use them.
 
     The phase programs take this array as an argument and compute both rates from the epoch
-    counter on the device (:func:`epsilon_from`, :func:`beta_from`): no host value enters a
-    program each epoch (a host scalar's transfer delayed each phase's start by ~0.5 ms on an
-    H200, BENCHMARKS.md), and one compiled program still serves every run length.
+    counter on the device (:func:`epsilon_from`, :func:`beta_from`): no host value is copied
+    into a program each epoch, and one compiled program still serves every run length
+    (BENCHMARKS.md, session 5, has what the host copy cost).
     """
     return np.asarray([train_cfg.epsilon_start, train_cfg.epsilon_end,
                        train_cfg.epsilon_decay_epochs, replay_cfg.beta_start,
