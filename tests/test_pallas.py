@@ -226,6 +226,10 @@ def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
     text = fn.trace(params, jnp.zeros((300, D), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_q_forward" in text
+    # batched over data-parallel shards (collect_shards vmaps the priorities)
+    sharded = jax.jit(jax.vmap(lambda o: fused_logits(params, o, net, config=cfg)))
+    assert "xla.gpu.triton" in sharded.trace(jnp.zeros((2, 300, D), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
 
 
 def test_narrow_operand_blocks_equal_flax(rng):

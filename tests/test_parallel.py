@@ -211,8 +211,14 @@ def test_chunked_priorities_equal_one_pass():
 
 # --- sharded collection: per-shard episodes, global curiosity statistics -------------------------
 
-def test_collect_shards_equals_per_shard_collect_with_pooled_rnd_statistics():
-    cfg = load_config("smoke", TINY + ["train.shards=2"])
+@pytest.mark.parametrize("backend", [
+    [],
+    # the rollout kernel and the fused logits forward of the priorities, both batched over the
+    # shard axis (Pallas' vmap rule; interpret mode on the CPU)
+    ["network.dtype=bfloat16", "network.backend=pallas"],
+])
+def test_collect_shards_equals_per_shard_collect_with_pooled_rnd_statistics(backend):
+    cfg = load_config("smoke", TINY + ["train.shards=2"] + backend)
     tr = Trainer.build(cfg)
     params, learner, s, steps = tr.env_params["train"], tr.learner, 2, 4
     key, eps = jax.random.PRNGKey(11), jnp.float32(0.3)
