@@ -8,6 +8,9 @@ axis is placed on a 1-D mesh ``("data",)`` of ``n`` devices (``NamedSharding(P("
 parameters and optimizer state are replicated (``NamedSharding(P())``), so XLA partitions the
 ``vmap`` and inserts the all-reduce of the gradient (the loss is a mean over the global batch).
 
+Experience collection is the exception: its Pallas kernels are opaque to XLA's partitioner, so
+the collector runs under ``jax.shard_map`` (:func:`per_device`), each device over its own shards.
+
 ``S`` fixes the algorithm; the device count only places it. A run therefore gives the same result
 on 1, 2 or 8 devices up to the order of float reductions, and a checkpoint restores onto another
 device count (the shapes depend on ``S`` alone). ``S`` must be a multiple of the device count.
@@ -20,7 +23,7 @@ and report, and every process calls the (synchronizing) checkpoint save.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +87,20 @@ def shard_keys(key: jax.Array, shards: int) -> jax.Array:
     """``[S]`` keys: shard ``s`` draws from ``fold_in(key, s)`` (raw ``uint32[2]`` keys too)."""
     shard = jnp.arange(shards, dtype=jnp.uint32)
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, shard)
+
+
+def per_device(fn: Callable, mesh: Mesh, sharded: int, replicated: int) -> Callable:
+    """``fn`` run by each device of ``mesh`` on its own shards (``jax.shard_map``).
+
+    The first ``sharded`` arguments (leading shard axis ``S``) are split along :data:`DATA`,
+    the next ``replicated`` are passed whole, and every output is split along :data:`DATA`;
+    ``fn`` sees ``S / devices`` shards. Pallas kernels need this: to XLA's partitioner a kernel
+    is an opaque custom call, so under plain ``jit`` it gathers the operands and every device
+    runs the kernel over all ``S`` shards. (``check_vma`` is off: ``pallas_call`` has no
+    replication rule, and nothing inside communicates.)
+    """
+    specs = (P(DATA),) * sharded + (P(),) * replicated
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA), check_vma=False)
 
 
 def local_device(mesh: Mesh) -> jax.Device:

@@ -285,6 +285,12 @@ DEVICE_SCRIPT = textwrap.dedent('''
                                       for x in jax.tree.leaves(state.agent.params))
     hlo = tr._phases["training"].as_text()
     result["all_reduce"], result["all_gather"] = "all-reduce" in hlo, "all-gather" in hlo
+    # collection runs inside shard_map: each device over its own shards (Pallas kernels are
+    # opaque to XLA's partitioner, which would otherwise run them over every shard everywhere)
+    exp_fn, exp_args = tr.phase_programs(state)["experience"]
+    lowered = exp_fn.lower(*exp_args).as_text()
+    result["collect_per_device"] = ("manual_computation" in lowered
+                                    or "SPMDFullToShardShape" in lowered)
     checkpoint.save(ckpt, 2, state, {"epoch": 2})
     # 2 devices: the third epoch from the 8-device checkpoint, restored onto the 2-device mesh
     tr2 = Trainer.build(cfg, devices=devs[:2])
@@ -331,4 +337,5 @@ def test_same_result_on_1_2_and_8_devices_and_restore_on_another_count(tmp_path)
     # 8 devices: one shard each, the agent replicated, gradients all-reduced, nothing gathered
     assert res["buffer_spec"] == ["data"] and res["local_shards"] == [1] * 8
     assert res["params_replicated"] and res["all_reduce"] and not res["all_gather"]
+    assert res["collect_per_device"]
     assert "train.shards" in res["error"] and "device count 8" in res["error"]

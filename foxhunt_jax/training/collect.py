@@ -130,19 +130,26 @@ def start_shards(adapter: EnvAdapter, env_params, key: jax.Array, shards: int,
 
 
 def collect_shards(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
-                   rollouts: Rollout, key: jax.Array, epsilon, num_steps: int):
+                   rollouts: Rollout, key: jax.Array, epsilon, num_steps: int, mesh=None):
     """:func:`collect` on every shard of a sharded rollout ``[S, N/S, ...]``.
 
     Shard ``s`` draws from ``fold_in(key, s)``; all shards act with the same (replicated) agent.
     Returns (rollouts, items ``[S, L*N/S, ...]``, priorities ``[S, L*N/S]``, rnd, stats): the
     curiosity statistics take in the novelty of every shard at once, and ``stats`` are those of
     the whole ``[L, N]`` batch (means over shards of equal size, counts summed).
+
+    ``mesh``: the device mesh the shards are placed on; with more than one device each device
+    collects its own shards (:func:`foxhunt_jax.parallel.per_device`), the same numbers.
     """
-    from foxhunt_jax.parallel import shard_keys
+    from foxhunt_jax.parallel import per_device, shard_keys
 
     s = rollouts.obs.shape[0]
-    run = lambda r, k: _collect(learner, adapter, env_params, agent, r, k, epsilon, num_steps)
-    rollouts, items, priorities, novelty, stats = jax.vmap(run)(rollouts, shard_keys(key, s))
+    run = jax.vmap(lambda r, k, a, p, e: _collect(learner, adapter, p, a, r, k, e, num_steps),
+                   in_axes=(0, 0, None, None, None))
+    if mesh is not None and mesh.size > 1:
+        run = per_device(run, mesh, sharded=2, replicated=3)
+    rollouts, items, priorities, novelty, stats = run(rollouts, shard_keys(key, s), agent,
+                                                      env_params, epsilon)
     rnd = agent.rnd
     if rnd is not None:
         rnd = curiosity.update_stats(rnd, novelty.reshape(-1))

@@ -103,14 +103,16 @@ def state_shardings(state: TrainerState, mesh) -> TrainerState:
                         rollout=jax.tree.map(lambda _: shd, state.rollout), key=rep, epoch=rep)
 
 
-def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, schedule):
+def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, schedule,
+                     mesh=None):
     """``schedule``: :func:`~foxhunt_jax.agent.learner.schedule_values`; stats include the
-    epoch's exploration rate."""
+    epoch's exploration rate. ``mesh``: where the shards live (each device collects its own,
+    :func:`~foxhunt_jax.training.collect.collect_shards`)."""
     eps = epsilon_from(schedule, state.epoch)
     key, k = jax.random.split(state.key)
     rollout, items, priorities, rnd, stats = collect_shards(
         learner, TRADING_ADAPTER, env_params, state.agent, state.rollout, k, eps,
-        cfg.env.episode_length)
+        cfg.env.episode_length, mesh)
     buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
                                cfg.replay.priority_eps)
     agent = state.agent.replace(rnd=rnd)
@@ -225,7 +227,8 @@ class Trainer:
         # process's first device with its copy of the replicated agent (every process computes
         # the same numbers), so its program is the same for every mesh.
         sh, rep = self.shardings(state), parallel.replicated(self.mesh)
-        exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e), donate_argnums=1,
+        mesh = self.mesh
+        exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e, mesh), donate_argnums=1,
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         trn = jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
