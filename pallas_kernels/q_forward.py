@@ -392,7 +392,8 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
-        raise ValueError(f"fused_q_forward: layout must be one of {LAYOUTS}, got {config.layout!r}")
+        raise ValueError(f"q_forward kernel: layout must be one of {LAYOUTS}, got "
+                         f"{config.layout!r}")
     n, dim = obs.shape
     plan = make_plan(network, dim, config.max_chunk)
     cd = _DTYPES[network.dtype]
