@@ -668,9 +668,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                 row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
                 try:
                     run = jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
-                    keys = iter(jax.random.split(jax.random.key(args.seed + 7), reps + 2))
-                    ms = time_calls(lambda: run(agent, rollout0, next(keys), jnp.float32(eps)),
-                                    reps, warmup=1)
+                    keys, eps_d = _call_inputs(jax.random.key(args.seed + 7), reps + 2, eps)
+                    ms = time_calls(lambda: run(agent, rollout0, next(keys), eps_d), reps,
+                                    warmup=1)
                     med = statistics.median(ms)
                     row.update({"ms": med, "ms_spread": spread(ms),
                                 "env_steps_per_s": n * length / (med * 1e-3),
@@ -703,9 +703,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                                               cfg.replay.priority_eps), stats
 
                     ph = jit(phase)
-                    keys = iter(jax.random.split(jax.random.key(args.seed + 9), reps + 2))
-                    ms = time_calls(lambda: ph(agent, rollout0, buf, next(keys), jnp.float32(eps)),
-                                    reps, warmup=1)
+                    keys, eps_d = _call_inputs(jax.random.key(args.seed + 9), reps + 2, eps)
+                    ms = time_calls(lambda: ph(agent, rollout0, buf, next(keys), eps_d), reps,
+                                    warmup=1)
                     med = statistics.median(ms)
                     row.update({"ms": med, "ms_spread": spread(ms),
                                 "env_steps_per_s": n * length / (med * 1e-3)})
@@ -725,6 +725,17 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
         except Exception as e:
             out["equality"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             traceback.print_exc()
+
+
+def _call_inputs(key, calls: int, eps: float):
+    """An iterator over ``calls`` device keys and epsilon as a device scalar, made before the
+    timing starts: slicing a key array or copying a host scalar inside a timed call would add
+    an eager device op (a launch and a copy) to every sample."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = list(jax.random.split(key, calls))
+    return iter(jax.block_until_ready(keys)), jax.block_until_ready(jnp.float32(eps))
 
 
 def rollout_equality(args, market, n: int) -> dict:
