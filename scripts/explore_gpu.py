@@ -60,20 +60,27 @@ SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopt
             "kernelcompile", "profile")
 
 
-def _setup(args, backend: str, dtype: str, n: int):
-    """Trainer pieces for the seed config at N episodes: learner, env params, agent, rollout."""
-    from foxhunt_jax.agent.learner import init_agent
+def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
+    """The trainer of the run's config for one variant (``extra``: more overrides); the market
+    is loaded once per run."""
     from foxhunt_jax.data.loader import load_market
-    from foxhunt_jax.training import collect
-    from foxhunt_jax.training.trainer import TRADING_ADAPTER
 
     ns = SimpleNamespace(config=args.config, overrides=args.overrides)
-    cfg = _variant_cfg(ns, backend, dtype, [f"train.num_episodes={n}"])
+    cfg = _variant_cfg(ns, backend, dtype, list(extra))
     if args._market is None:
         args._market = load_market(cfg.data.source, sort=cfg.data.sort,
                                    synthetic=cfg.data.synthetic)
-    tr = _build_trainer(cfg, args._market)
-    learner = tr.learner
+    return _build_trainer(cfg, args._market)
+
+
+def _setup(args, backend: str, dtype: str, n: int):
+    """Trainer pieces for the seed config at N episodes: learner, env params, agent, rollout."""
+    from foxhunt_jax.agent.learner import init_agent
+    from foxhunt_jax.training import collect
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+
+    tr = _trainer(args, backend, dtype, (f"train.num_episodes={n}",))
+    cfg, learner = tr.cfg, tr.learner
     env_p = tr.env_params["train"]
     agent = jax.jit(lambda k: init_agent(k, learner, tr.obs_dim))(jax.random.key(args.seed))
     rollout = jax.jit(lambda p, k: collect.start(TRADING_ADAPTER, p, k, n))(
@@ -667,12 +674,8 @@ def section_profile(args, out: dict) -> None:
     from glob import glob
 
     backend, dtype = _child_variant(args)
-    cfg = _variant_cfg(SimpleNamespace(config=args.config, overrides=args.overrides), backend,
-                       dtype)
-    from foxhunt_jax.data.loader import load_market
-
-    tr = _build_trainer(cfg, load_market(cfg.data.source, sort=cfg.data.sort,
-                                         synthetic=cfg.data.synthetic))
+    tr = _trainer(args, backend, dtype)
+    cfg = tr.cfg
     state = tr.init_state()
     tr.compile(state)
     host = {}
