@@ -349,7 +349,7 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
             return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in xs], axis=1)
 
         got, ref = flat(fns["pallas"](params, obs_chk)), flat(fns["xla"](params, obs_chk))
-        rel = float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+        rel = _rel_err(got, ref)
         out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
                                                "dtype": net.dtype, "kind": "logits",
                                                "logits_rel_err": rel})
@@ -373,11 +373,18 @@ def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:
             "tflops": n * flops / (med * 1e-3) / 1e12}
 
 
+def _rel_err(got, ref) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    import numpy as np
+
+    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
 def _equality(q, a, ref_q, ref_a, sizes) -> dict:
     """Kernel vs Flax: max relative expected-Q error; action mismatches outside near-ties."""
     import numpy as np
 
-    rel = float(np.max(np.abs(q - ref_q)) / max(np.max(np.abs(ref_q)), 1e-30))
+    rel = _rel_err(q, ref_q)
     tol = 1e-4 * max(float(np.max(np.abs(ref_q))), 1e-30)  # a tie: top two within tol
     mismatch, ties, off = 0, 0, 0
     for d, n_d in enumerate(sizes):
