@@ -126,8 +126,9 @@ def parse_ints(text: str) -> tuple[int, ...]:
 
 
 def parse_kernel_configs(text: str):
-    """``"grouped:128:8,per_action:64:4:64"`` -> KernelConfigs (layout:block_rows:num_warps
-    with an optional :min_rows)."""
+    """``"grouped:128:8,per_action:64:4:64,grouped:128:8:16:128:2"`` -> KernelConfigs
+    (layout:block_rows:num_warps, then optionally min_rows, max_chunk (0: the dtype's widest)
+    and lookahead)."""
     from pallas_kernels.q_forward import LAYOUTS, KernelConfig
 
     out = []
@@ -136,16 +137,26 @@ def parse_kernel_configs(text: str):
         if not tok:
             continue
         parts = tok.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in LAYOUTS:
+        if not 3 <= len(parts) <= 6 or parts[0] not in LAYOUTS:
             raise argparse.ArgumentTypeError(
-                f"kernel config '{tok}' must be layout:rows:warps[:min_rows]")
-        rows, warps = int(parts[1]), int(parts[2])
-        min_rows = int(parts[3]) if len(parts) == 4 else 16
-        if any(r < 16 or r & (r - 1) for r in (rows, min_rows)) or warps < 1:
+                f"kernel config '{tok}' must be layout:rows:warps[:min_rows[:max_chunk"
+                f"[:lookahead]]]")
+        try:
+            rows, warps, *rest = (int(x) for x in parts[1:])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"kernel config '{tok}': expected integers") from None
+        min_rows, chunk, ahead = (rest + [16, 0, 0][len(rest):])
+        if any(r < 16 or r & (r - 1) for r in (rows, min_rows)) or warps < 1 or ahead < 0:
             raise argparse.ArgumentTypeError(f"kernel config '{tok}': rows powers of 2 >= 16")
         out.append(KernelConfig(block_rows=rows, num_warps=warps, layout=parts[0],
-                                min_rows=min_rows))
+                                min_rows=min_rows, max_chunk=chunk or None, lookahead=ahead))
     return tuple(out)
+
+
+def kernel_config_name(kc) -> str:
+    """The inverse of :func:`parse_kernel_configs` for one config (0 = the dtype's widest)."""
+    return (f"{kc.layout}:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}:{kc.max_chunk or 0}:"
+            f"{kc.lookahead}")
 
 
 def git_commit() -> str:
@@ -303,7 +314,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             continue
         default = default_config(dtype)
         for kc in [default] + [c for c in args.kernel_configs if c != default]:
-            name = f"{kc.layout}:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
+            name = kernel_config_name(kc)
             if not deadline.ok(30):
                 out.setdefault("skipped", []).append(f"pallas/{dtype} {name}: time budget")
                 continue
@@ -1047,7 +1058,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-capacities", default="2^20,2^22")
     p.add_argument("--replay-repeats", type=int, default=10, help="timed calls per replay op")
     p.add_argument("--kernel-configs", type=str, default="",
-                   help="extra Pallas launch shapes to time, layout:rows:warps,...")
+                   help="extra Pallas launch shapes to time, "
+                        "layout:rows:warps[:min_rows[:max_chunk[:lookahead]]],...")
     p.add_argument("--cmdbuf-variants", type=parse_variants,
                    default=parse_variants("xla:float32,pallas:bfloat16"),
                    help="variants of the command-buffer section (default xla:float32,"

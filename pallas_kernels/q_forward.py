@@ -11,10 +11,15 @@ keeps every activation on chip across the ten GEMMs and the atom softmax; only t
 come in from device memory and only the actions (and optionally the expected Q) go out. XLA's
 version writes and re-reads every intermediate activation between its GEMM and fusion kernels.
 
-:func:`fused_logits` is the same kernel writing the dueling logits instead (``network.apply``'s
+:func:`fused_logits` is the same kernel stopping at the dueling logits (``network.apply``'s
 output, for the initial priorities and the validation loss, which need no gradient): at 2^20
 rows 2.81 ms against 4.38 ms for XLA, at 102,400 rows (the seed's experience phase) 0.61
-against 0.67 ms (BENCHMARKS.md).
+against 0.67 ms (BENCHMARKS.md, session 5, when it still computed the greedy tail too).
+
+The weights stream from device memory (L2) through each program once per block of rows. The
+kernel reads them through :class:`_Blocks`, which can issue each block's load a few blocks
+before the product that uses it (``KernelConfig.lookahead``), since Triton emits a load where
+the program has it.
 
 Triton needs power-of-two tensor sizes, while the network's widths are not (observation 40,
 heads 160, 11 atoms, 5 or 3 actions). So, outside the kernel, :func:`pack_params` zero-pads the
@@ -188,21 +193,71 @@ def operand_names(plan: Plan) -> tuple[str, ...]:
 
 # --- the kernel -----------------------------------------------------------------------------
 
-def _dense(xs, in_sizes, w_ref, b_ref, out_sizes, cd, relu: bool, col0: int = 0):
+class _Blocks:
+    """Reads parameter blocks for one forward, in the order the forward multiplies them.
+
+    ``blocks(name, cols, rows=None)`` returns ``ops[name][rows, cols]`` (offset, size pairs;
+    ``rows`` None for a bias). With ``lookahead`` k > 0 the loads run k weight blocks ahead of
+    use: the next k weight blocks (and the biases before them) are read before a block is handed
+    out, so their memory latency overlaps the products in between. Triton issues a load where the program has it, so without this a timestep of the
+    rollout kernel waits for each weight block in turn (BENCHMARKS.md). The order is recorded by
+    a first, abstract pass of the same forward (``ops=None``: blocks are zeros, nothing is
+    read), so it has one definition.
+    """
+
+    def __init__(self, ops: dict | None, cd, order: list | None = None, lookahead: int = 0):
+        self.ops, self.cd, self.order, self.k = ops, cd, order, lookahead
+        self.pos, self.ready = 0, {}
+
+    def _read(self, key):
+        name, cols, rows = key
+        ref = self.ops[name]
+        return ref[pl.ds(*cols)] if rows is None else ref[pl.ds(*rows), pl.ds(*cols)]
+
+    def start(self) -> None:
+        """Issues the loads the first block would (a caller can overlap them with its own)."""
+        if self.k:
+            self._ahead(0)
+
+    def _ahead(self, i: int) -> None:
+        ahead, j = 0, i
+        while j < len(self.order) and (j == i or ahead < self.k or self.order[j][2] is None):
+            if j not in self.ready:
+                self.ready[j] = self._read(self.order[j])
+            ahead += int(j > i and self.order[j][2] is not None)
+            j += 1
+
+    def __call__(self, name: str, cols: tuple, rows: tuple | None = None):
+        key = (name, cols, rows)
+        if self.ops is None:  # the recording pass
+            self.order.append(key)
+            shape = (cols[1],) if rows is None else (rows[1], cols[1])
+            return jnp.zeros(shape, jnp.float32 if rows is None else self.cd)
+        if not self.k:
+            return self._read(key)
+        i = self.pos
+        if self.order[i] != key:
+            raise AssertionError(f"_Blocks: block {i} is {key}, recorded {self.order[i]}")
+        self._ahead(i)
+        self.pos += 1
+        return self.ready.pop(i)
+
+
+def _dense(xs, in_sizes, blocks, name: str, out_sizes, cd, relu: bool, col0: int = 0):
     """Block GEMM: input chunks ``xs[i] [BM, in_sizes[i]]`` -> output chunks (float32).
 
-    Reads weight blocks ``w_ref[r:r+c, col0+o:col0+o+s]`` at static offsets, so every loaded
-    tile has power-of-two sides.
+    Reads weight blocks ``name_w[r:r+c, col0+o:col0+o+s]`` at static offsets through ``blocks``
+    (:class:`_Blocks`), so every loaded tile has power-of-two sides.
     """
     precision = jax.lax.Precision.HIGHEST if cd == jnp.float32 else None
     outs = []
     for o, s in zip(_offsets(out_sizes), out_sizes):
         acc = None
         for r, c, x in zip(_offsets(in_sizes), in_sizes, xs):
-            w = w_ref[pl.ds(r, c), pl.ds(col0 + o, s)]
+            w = blocks(name + "_w", (col0 + o, s), (r, c))
             y = jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
             acc = y if acc is None else acc + y
-        acc = acc + b_ref[pl.ds(col0 + o, s)][None, :]
+        acc = acc + blocks(name + "_b", (col0 + o, s))[None, :]
         outs.append(jnp.maximum(acc, 0.0) if relu else acc)
     return outs
 
@@ -214,47 +269,69 @@ def _softmax_mean(logits, z, axis):
     return jnp.sum(e * z, axis=axis) / jnp.sum(e, axis=axis)
 
 
-def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None,
-                 on_logits=None) -> list:
+def read_blocks(plan: Plan, cd, layout: str, ops: dict, rows: int,
+                lookahead: int = 0) -> _Blocks:
+    """The parameter-block reader of one forward of ``rows`` rows (:class:`_Blocks`); with a
+    ``lookahead`` it first records the order in which the forward reads the blocks."""
+    order = None
+    if lookahead:
+        order = []
+        xs = [jax.ShapeDtypeStruct((rows, c), cd) for c in plan.chunks(plan.obs_dim)]
+        z = jax.ShapeDtypeStruct((plan.atoms_pad,), jnp.float32)
+        jax.eval_shape(lambda xs_, z_: _forward(plan, cd, layout, _Blocks(None, cd, order),
+                                                 xs_, z_, None, None, False), xs, z)
+    return _Blocks(ops, cd, order, lookahead)
+
+
+def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q=None,
+                 on_logits=None, *, greedy: bool = True) -> list:
     """The network on one block of rows inside a kernel -> per-branch greedy actions.
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
-    dtype; ``ops``: operand name -> ref (:func:`operand_names`); ``z`` ``[Kp]`` f32 (zero past
-    K). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]`` (grouped,
-    -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action). ``on_logits``
-    (optional) receives the dueling logits the same way: ``on_logits(d, [BM, n_pad, Kp])`` or
-    ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding (finite, to be dropped).
-    Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``).
+    dtype; ``blocks``: the parameters' reader (:func:`read_blocks`); ``z`` ``[Kp]`` f32 (zero
+    past K). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]``
+    (grouped, -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action).
+    ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
+    n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
+    (finite, to be dropped). ``greedy=False`` stops after the logits (no softmax, expected Q or
+    argmax; for ``on_logits`` alone).
+    Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``), or an
+    empty list when not ``greedy``.
     """
+    return _forward(plan, cd, layout, blocks, xs, z, on_q, on_logits, greedy)
+
+
+def _forward(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q, on_logits,
+             greedy: bool) -> list:
     sizes = plan.chunks(plan.obs_dim)
     for i, w in enumerate(plan.trunk):
         out_sizes = plan.chunks(w)
-        hs = _dense(xs, sizes, ops[f"trunk_{i}_w"], ops[f"trunk_{i}_b"], out_sizes, cd, True)
+        hs = _dense(xs, sizes, blocks, f"trunk_{i}", out_sizes, cd, True)
         xs, sizes = [h.astype(cd) for h in hs], out_sizes
     head_sizes = plan.chunks(plan.head)
     kp, k = plan.atoms_pad, plan.atoms
 
     def hidden(name):
-        hs = _dense(xs, sizes, ops[name + "_w"], ops[name + "_b"], head_sizes, cd, True)
-        return [h.astype(cd) for h in hs]
+        return [h.astype(cd) for h in _dense(xs, sizes, blocks, name, head_sizes, cd, True)]
 
     hv = hidden("value_hidden")
-    [v] = _dense(hv, head_sizes, ops["value_out_w"], ops["value_out_b"], (kp,), cd, False)
+    [v] = _dense(hv, head_sizes, blocks, "value_out", (kp,), cd, False)
     atom_ok = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1) < k
     neg_inf = jnp.float32(-jnp.inf)
     actions = []
     for d, n in enumerate(plan.branch_sizes):
         npad = plan.actions_pad(d)
         ha = hidden(f"adv{d}_hidden")
-        w_ref, b_ref = ops[f"adv{d}_out_w"], ops[f"adv{d}_out_b"]
         if layout == "grouped":
-            [a] = _dense(ha, head_sizes, w_ref, b_ref, (npad * kp,), cd, False)
+            [a] = _dense(ha, head_sizes, blocks, f"adv{d}_out", (npad * kp,), cd, False)
             a = a.reshape(a.shape[0], npad, kp)
             # padded actions are exact zeros, so the sum over all npad rows is the sum over n
             mean = jnp.sum(a, axis=1) * jnp.float32(1.0 / n)
             logits = v[:, None, :] + a - mean[:, None, :]
             if on_logits is not None:
                 on_logits(d, logits)
+            if not greedy:
+                continue
             logits = jnp.where(atom_ok[:, None, :], logits, neg_inf)
             q = _softmax_mean(logits, z[None, None, :], axis=2)  # [BM, npad]
             act_ok = jax.lax.broadcasted_iota(jnp.int32, (1, npad), 1) < n
@@ -263,8 +340,8 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None,
                 on_q(d, q)
             actions.append(jnp.argmax(q, axis=1).astype(jnp.int32))
         else:
-            advs = [_dense(ha, head_sizes, w_ref, b_ref, (kp,), cd, False, col0=a * kp)[0]
-                    for a in range(n)]
+            advs = [_dense(ha, head_sizes, blocks, f"adv{d}_out", (kp,), cd, False,
+                           col0=a * kp)[0] for a in range(n)]
             mean = advs[0]
             for a_t in advs[1:]:
                 mean = mean + a_t
@@ -273,6 +350,8 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None,
             for a, a_t in enumerate(advs):
                 if on_logits is not None:
                     on_logits((d, a), v + a_t - mean)
+                if not greedy:
+                    continue
                 logits = jnp.where(atom_ok, v + a_t - mean, neg_inf)
                 q = _softmax_mean(logits, z[None, :], axis=1)  # [BM]
                 if on_q is not None:
@@ -283,19 +362,21 @@ def forward_rows(plan: Plan, cd, layout: str, ops: dict, xs: list, z, on_q=None,
                     better = q > best_q
                     best_q = jnp.where(better, q, best_q)
                     best_a = jnp.where(better, jnp.int32(a), best_a)
-            actions.append(best_a)
+            if greedy:
+                actions.append(best_a)
     return actions
 
 
-def _kernel(plan: Plan, cd, layout: str, with_q: bool, with_logits: bool, x_ref, z_ref, *refs):
+def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
+            greedy: bool, x_ref, z_ref, *refs):
     """Outputs, in order: expected Q (``with_q``), one logits block ``[BM, n_pad, Kp]`` per
-    branch (``with_logits``), actions."""
+    branch (``with_logits``), actions (``greedy``)."""
     n_ops = len(operand_names(plan))
     ops = dict(zip(operand_names(plan), refs[:n_ops]))
     outs = refs[n_ops:]
     q_ref = outs[0] if with_q else None
-    logit_refs = outs[int(with_q):-1]
-    act_ref = outs[-1]
+    logit_refs = outs[int(with_q):len(outs) - int(greedy)]
+    act_ref = outs[-1] if greedy else None
 
     def store_logits(where, logits):
         if isinstance(where, tuple):
@@ -311,10 +392,13 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, with_logits: bool, x_ref,
         else:
             q_ref[:, pl.ds(plan.q_offsets[where], plan.actions_pad(where))] = q
 
+    blocks = read_blocks(plan, cd, config.layout, ops, x_ref.shape[0], config.lookahead)
+    blocks.start()
     sizes = plan.chunks(plan.obs_dim)
     xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
-    actions = forward_rows(plan, cd, layout, ops, xs, z_ref[...], store_q if with_q else None,
-                           store_logits if with_logits else None)
+    actions = forward_rows(plan, cd, config.layout, blocks, xs, z_ref[...],
+                           store_q if with_q else None, store_logits if with_logits else None,
+                           greedy=greedy)
     for d, a in enumerate(actions):
         act_ref[:, d] = a
 
@@ -325,8 +409,9 @@ def _kernel(plan: Plan, cd, layout: str, with_q: bool, with_logits: bool, x_ref,
 class KernelConfig:
     """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
     ``min_rows`` at small N), warps per program (``block_rows / 8`` clipped to
-    ``[min_warps, num_warps]``), software-pipelining stages, layout, and the widest GEMM operand
-    block (``max_chunk``; None: 256 for bfloat16, 128 for float32)."""
+    ``[min_warps, num_warps]``), software-pipelining stages, layout, the widest GEMM operand
+    block (``max_chunk``; None: 256 for bfloat16, 128 for float32) and how many parameter
+    blocks each program reads ahead of use (``lookahead``, :class:`_Blocks`)."""
 
     block_rows: int = 128
     num_warps: int = 8
@@ -335,14 +420,18 @@ class KernelConfig:
     min_rows: int = 16
     min_warps: int = 4
     max_chunk: int | None = None
+    lookahead: int = 0
 
 
 # Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
 # forward at N = 2^20 in 2.2 ms on an H200 where 4 warps took 7.7 ms, and 8 warps beat 4 at the
 # 16-row blocks of small N too (the rollout kernel at N = 64: 2.67 against 2.96 ms; 2 warps
-# spill, 42.5 ms; BENCHMARKS.md). float32 operands are twice the bytes, so half the rows.
+# spill, 42.5 ms). Weight blocks of 128 columns read two ahead: 2.01 ms against 2.27-2.44 ms
+# for whole 256-wide blocks read as used, in two runs (BENCHMARKS.md, session 6). float32
+# operands are twice the bytes, so half the rows.
 DEFAULT_CONFIGS = {"float32": KernelConfig(block_rows=64, num_warps=8),
-                   "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8)}
+                   "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8,
+                                            max_chunk=128, lookahead=2)}
 
 
 def default_config(dtype: str) -> KernelConfig:
@@ -387,8 +476,10 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
 
 
 def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
-         with_logits: bool, config: KernelConfig | None, interpret: bool | None):
-    """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B])."""
+         with_logits: bool, config: KernelConfig | None, interpret: bool | None,
+         greedy: bool = True):
+    """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B]
+    or None when not ``greedy``)."""
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
@@ -417,19 +508,20 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
             npad = plan.actions_pad(d)
             out_shape.append(jax.ShapeDtypeStruct((rows, npad, kp), jnp.float32))
             out_specs.append(pl.BlockSpec((bm, npad, kp), lambda i: (i, 0, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((rows, nb), jnp.int32))
-    out_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
+    if greedy:
+        out_shape.append(jax.ShapeDtypeStruct((rows, nb), jnp.int32))
+        out_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
 
-    kernel = functools.partial(_kernel, plan, cd, config.layout, with_q, with_logits)
+    kernel = functools.partial(_kernel, plan, cd, config, with_q, with_logits, greedy)
     outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
                   tuple(out_shape), interpret)(x, z, *operands)
     q = logits = None
     if with_q:
         q = tuple(outs[0][:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
     if with_logits:
-        logits = tuple(x[:n, :nd, :plan.atoms]
-                       for x, nd in zip(outs[int(with_q):-1], plan.branch_sizes))
-    return q, logits, outs[-1][:n]
+        logits = tuple(x[:n, :nd, :plan.atoms] for x, nd in
+                       zip(outs[int(with_q):len(outs) - int(greedy)], plan.branch_sizes))
+    return q, logits, outs[-1][:n] if greedy else None
 
 
 def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
@@ -460,10 +552,12 @@ def fused_logits(params: Any, obs: jax.Array, network, *, config: KernelConfig |
     float32 of ``obs [N, D]`` (no gradient; the learner's update keeps the Flax forward).
 
     Each program writes its rows' logits padded to ``[BM, n_pad, Kp]`` per branch (Triton's
-    power-of-two blocks); the padding is sliced off outside the kernel.
+    power-of-two blocks); the padding is sliced off outside the kernel. The kernel stops at the
+    logits: no softmax, expected Q or actions.
     """
-    support = jnp.zeros((network.atoms,), jnp.float32)  # actions are computed but not used
-    _, logits, _ = _run(params, obs, network, support, False, True, config, interpret)
+    support = jnp.zeros((network.atoms,), jnp.float32)  # not read without the greedy tail
+    _, logits, _ = _run(params, obs, network, support, False, True, config, interpret,
+                        greedy=False)
     return logits
 
 
@@ -480,7 +574,7 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "launch", "on_cuda",
+__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "read_blocks", "launch", "on_cuda",
            "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
            "forward_flops"]

@@ -28,6 +28,7 @@ per-step outputs are ``[L, C, N]`` so every store is a contiguous row of ``BM`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -39,7 +40,7 @@ from foxhunt_jax.agent.network import apply_draws
 from foxhunt_jax.env import trading
 from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, block_rows_for,
                                       default_config, forward_rows, launch, make_plan,
-                                      operand_names, pack_params)
+                                      operand_names, pack_params, read_blocks)
 
 P = trading.PORTFOLIO_DIM
 STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl_price")
@@ -53,7 +54,7 @@ _TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", 
 _SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale")
 
 
-def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
+def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num_steps: int,
             env_static: dict, *refs):
     n_ops = len(operand_names(plan))
     it = iter(refs)
@@ -88,8 +89,10 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
         # port: portfolio_features(state), carried so each step evaluates it once (on the new
         # state, for the transition record and the next observation)
         state, port, alive = carry
+        blocks = read_blocks(plan, cd, layout, ops, state.bar.shape[0], lookahead)
+        blocks.start()  # the first weight loads wait alongside the observation's gather
         xs = observe(state, port)
-        actions = forward_rows(plan, cd, layout, ops, xs, z)
+        actions = forward_rows(plan, cd, layout, blocks, xs, z)
         if explore:
             actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(actions)]
         new, reward, term, trunc, info = trading.advance(state, tuple(actions), params)
@@ -130,6 +133,14 @@ def _kernel(plan, cd, layout: str, mode: str, explore: bool, num_steps: int,
         end_i_ref[i, :] = getattr(state, name)
 
 
+def rollout_config(dtype: str) -> KernelConfig:
+    """The rollout's default launch shape: the Q-forward's (:func:`default_config`) with whole
+    weight blocks read as used. A timestep at 16 rows a program is bound by moving 0.5 MB of
+    weights through one multiprocessor, not by waiting for them: reading blocks ahead changed
+    it by -4 % to +4 % on an H200 (BENCHMARKS.md, session 6)."""
+    return dataclasses.replace(default_config(dtype), max_chunk=None, lookahead=0)
+
+
 def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
     """Pads the last axis to ``cols`` with copies of column 0 (harmless, dropped afterwards)."""
     extra = cols - x.shape[-1]
@@ -163,7 +174,7 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     if (mode == "collect") != (reset_bars is not None):
         raise ValueError("fused_rollout: reset_bars are required in collect mode and only there")
     if config is None:
-        config = default_config(network.dtype)
+        config = rollout_config(network.dtype)
     n = state.bar.shape[0]
     dim = trading.obs_dim(env_params)
     plan = make_plan(network, dim, config.max_chunk)
@@ -216,8 +227,8 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                   "time_barrier": env_params.time_barrier,
                   "has_take_profit": env_params.has_take_profit,
                   "has_stop_loss": env_params.has_stop_loss}
-    kernel = functools.partial(_kernel, plan, cd, config.layout, mode, draws is not None, L,
-                               env_static)
+    kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
+                               draws is not None, L, env_static)
     out_f, out_i, end_f, end_i = launch(kernel, "fused_rollout", config, bm, rows // bm, specs,
                                         out_specs, out_shape, interpret)(*inputs)
 
@@ -236,4 +247,4 @@ def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:
     return jnp.stack([out[f"{prefix}{j}"] for j in range(P)], axis=-1)
 
 
-__all__ = ["fused_rollout", "portfolio", "MODES", "OUT_F", "OUT_I"]
+__all__ = ["fused_rollout", "rollout_config", "portfolio", "MODES", "OUT_F", "OUT_I"]

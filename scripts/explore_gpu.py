@@ -3,9 +3,12 @@
 ``foxhunt-jax bench`` times the library as configured. This script times the alternatives a
 default was chosen from, each in the same process so ratios are fair:
 
-- ``rollout``: launch shapes (rows per program, warps, GEMM block width) of the fused rollout
-  kernel at the seed workload's sizes (collect N = 1024 and evaluate N = 64, L = 100) and at
-  N = 2^20;
+- ``rollout``: launch shapes (rows per program, warps, GEMM block width, weight blocks read
+  ahead) of the fused rollout kernel at the seed workload's sizes (collect N = 1024 and
+  evaluate N = 64, L = 100) and at N = 2^20;
+- ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
+  logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
+  tail it used to compute;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
@@ -56,7 +59,7 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep",
+SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep",
             "kernelcompile", "profile")
 
 
@@ -98,7 +101,6 @@ def section_rollout(args, out: dict) -> None:
     """The rollout kernel under several launch shapes, same inputs, same process."""
     from foxhunt_jax.training.collect import step_keys
     from foxhunt_jax.training.fused import rollout_draws
-    from pallas_kernels.q_forward import KernelConfig
     from pallas_kernels.rollout import fused_rollout
 
     L = args.length
@@ -119,14 +121,15 @@ def section_rollout(args, out: dict) -> None:
         if args.compare_rollout:  # the same first shape with another version of the kernel
             runs.insert(1, (shapes[0], _load(args.compare_rollout).fused_rollout,
                             args.compare_rollout))
-        for (rows, warps, chunk), kernel, source in runs:
+        for shape, kernel, source in runs:
+            rows, warps, chunk, ahead = shape
             if time.perf_counter() > args._deadline:
-                out.setdefault("skipped", []).append(f"{mode} N={n} {rows}x{warps}x{chunk}")
+                out.setdefault("skipped", []).append(f"{mode} N={n} {shape}")
                 continue
-            kc = KernelConfig(block_rows=rows, min_rows=rows, num_warps=warps, min_warps=warps,
-                              max_chunk=chunk)
+            kc = _kernel_config(shape)
             row = {"mode": mode, "n": n, "length": L, "block_rows": rows, "num_warps": warps,
-                   "max_chunk": chunk, "kernel_source": source or "pallas_kernels/rollout.py"}
+                   "max_chunk": chunk, "lookahead": ahead,
+                   "kernel_source": source or "pallas_kernels/rollout.py"}
             try:
                 if mode == "collect":
                     f = jax.jit(lambda p, st, d, r, _kc=kc, _k=kernel: _k(
@@ -144,15 +147,58 @@ def section_rollout(args, out: dict) -> None:
                 row["us_per_step"] = row["ms"] * 1e3 / L
                 row["env_steps_per_s"] = n * L / (row["ms"] * 1e-3)
                 print(f"  rollout {mode} N={n} rows={rows} warps={warps} chunk={chunk} "
-                      f"{source}: {row['ms']:.3f} ms "
+                      f"ahead={ahead} {source}: {row['ms']:.3f} ms "
                       f"({row['us_per_step']:.1f} us/step, first call {row['first_call_s']:.1f} s)",
                       flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"  rollout {mode} N={n} {rows}x{warps}x{chunk}: FAILED {row['error']}",
-                      flush=True)
+                print(f"  rollout {mode} N={n} {shape}: FAILED {row['error']}", flush=True)
             out["rows"].append(row)
         del s, draws, resets, state
+
+
+def section_forward(args, out: dict) -> None:
+    """The Q-forward kernel's launch shapes (``--forward-shapes``): greedy actions at N = 2^20,
+    and the logits (``fused_logits``; and the same kernel also computing the greedy tail, as
+    before it stopped at the logits) at the seed's 102,400 priority rows and at 2^20."""
+    from foxhunt_jax.agent.network import QNetwork
+    from pallas_kernels import q_forward as qf
+
+    net = QNetwork(branch_sizes=(5, 3, 3), trunk=(256, 256), head=160, atoms=11,
+                   dtype="bfloat16")
+    if args.quick:
+        net = QNetwork(branch_sizes=(5, 3, 3), trunk=(32,), head=16, atoms=11, dtype="bfloat16")
+    params = jax.jit(net.init)(jax.random.key(args.seed), jnp.zeros((1, args.obs_dim)))
+    z = jnp.linspace(-10.0, 10.0, 11, dtype=jnp.float32)
+    kinds = {
+        "actions": lambda p, o, kc: qf.fused_q_forward(p, o, net, z, with_q=False, config=kc)[1],
+        "logits": lambda p, o, kc: qf.fused_logits(p, o, net, config=kc),
+        "logits_and_actions": lambda p, o, kc: qf._run(p, o, net, z, False, True, kc, None,
+                                                       greedy=True)[1],
+    }
+    cases = [("actions", args.large_n), ("logits", args.prio_rows),
+             ("logits_and_actions", args.prio_rows), ("logits", args.large_n)]
+    out["rows"] = []
+    for kind, n in cases:
+        obs = jax.random.normal(jax.random.key(args.seed + 1), (n, args.obs_dim), jnp.float32)
+        for shape in args.forward_shapes:
+            if time.perf_counter() > args._deadline:
+                out.setdefault("skipped", []).append(f"{kind} N={n} {shape}")
+                continue
+            row = {"kind": kind, "n": n, "block_rows": shape[0], "num_warps": shape[1],
+                   "max_chunk": shape[2], "lookahead": shape[3]}
+            try:
+                f = jax.jit(lambda p, o, _kc=_kernel_config(shape), _k=kinds[kind]: _k(p, o, _kc))
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(params, obs))
+                row["first_call_s"] = time.perf_counter() - t0
+                row.update(_timed(lambda: f(params, obs), args.reps))
+                print(f"  forward {kind} N={n} {shape}: {row['ms']:.3f} ms "
+                      f"(first call {row['first_call_s']:.1f} s)", flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  forward {kind} N={n} {shape}: FAILED {row['error']}", flush=True)
+            out["rows"].append(row)
 
 
 def section_loopform(args, out: dict) -> None:
@@ -745,13 +791,23 @@ def section_profile(args, out: dict) -> None:
                                             "thread", "name"], "host_events": raw_host}))
 
 
-def _shapes(text: str) -> tuple[tuple[int, int, int | None], ...]:
-    """``"128x8,128x8x64"`` -> (rows, warps, max_chunk or None) per launch shape."""
+def _shapes(text: str) -> tuple[tuple[int, int, int | None, int], ...]:
+    """``"128x8,128x8x64,16x8x128p2"`` -> (rows, warps, max_chunk or None, lookahead) per launch
+    shape (``pK``: K weight blocks read ahead, ``KernelConfig.lookahead``)."""
     out = []
     for part in text.split(","):
+        part, _, ahead = part.partition("p")
         v = [int(x) for x in part.split("x")]
-        out.append((v[0], v[1], v[2] if len(v) > 2 else None))
+        out.append((v[0], v[1], v[2] if len(v) > 2 else None, int(ahead or 0)))
     return tuple(out)
+
+
+def _kernel_config(shape):
+    from pallas_kernels.q_forward import KernelConfig
+
+    rows, warps, chunk, ahead = shape
+    return KernelConfig(block_rows=rows, min_rows=rows, num_warps=warps, min_warps=warps,
+                        max_chunk=chunk, lookahead=ahead)
 
 
 def _load(path: str):
@@ -773,6 +829,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small-shapes", default=None, help="rowsxwarps[xchunk],... at N = 1024/64")
     ap.add_argument("--large-shapes", default=None, help="rowsxwarps[xchunk],... at N = 2^20")
+    ap.add_argument("--forward-shapes", default=None,
+                    help="rowsxwarps[xchunk][pK],... of the forward section")
     ap.add_argument("--compare-rollout", default=None,
                     help="file of another rollout kernel version, timed at the first shape")
     ap.add_argument("--loop-forms", default="rollout_kernel,scan_fused_forward,scan_xla")
@@ -802,6 +860,9 @@ def main(argv=None) -> dict:
     args.small_shapes = _shapes(args.small_shapes or ("16x4" if q else "16x4,16x2,16x8,32x4,64x4"))
     args.large_shapes = _shapes(args.large_shapes
                                 or ("16x4" if q else "128x8,64x4,64x8,128x4,256x8"))
+    args.forward_shapes = _shapes(args.forward_shapes or (
+        "16x4,16x4p1" if q else "128x8,128x8x128,128x8x128p1,128x8x128p2,128x8p1"))
+    args.prio_rows = 48 if q else 102_400
     args.loop_n = (32,) if q else (16384, 262144, 1 << 20)
     args.obs_dim = 40
     args.rnd_rows = 256 if q else 1 << 22

@@ -152,7 +152,12 @@ def test_argument_parsing_and_cli_entry():
             bench.parse_variants(bad)
     [kc] = bench.parse_kernel_configs("per_action:64:4:32")
     assert (kc.layout, kc.block_rows, kc.num_warps, kc.min_rows) == ("per_action", 64, 4, 32)
-    for bad in ("grouped:100:4", "rows:64:4", "grouped:64"):
+    assert (kc.max_chunk, kc.lookahead) == (None, 0)
+    for text in ("grouped:128:8:16:128:2", "per_action:64:4:32:0:0"):
+        [kc] = bench.parse_kernel_configs(text)
+        assert bench.kernel_config_name(kc) == text
+    for bad in ("grouped:100:4", "rows:64:4", "grouped:64", "grouped:64:4:16:x",
+                "grouped:64:4:16:64:-1", "grouped:64:4:16:64:1:9"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_kernel_configs(bad)
     assert bench.parse_ints("1024,1_048_576") == (1024, 1048576)

@@ -7,6 +7,7 @@ bfloat16 where the bf16 network does. The GPU (Triton) build is checked by ``fox
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import secrets
 
@@ -221,7 +222,8 @@ def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
     monkeypatch.setattr(qf, "on_cuda", lambda: True)
     net = _net("bfloat16")
     params = _init_fn(net, D)(jax.random.key(0))
-    cfg = KernelConfig(layout=layout)
+    cfg = dataclasses.replace(qf.default_config("bfloat16"), layout=layout)
+    assert cfg.lookahead > 0  # the default reads blocks ahead: that path is lowered here
     fn = jax.jit(lambda p, o: fused_logits(p, o, net, config=cfg))
     text = fn.trace(params, jnp.zeros((300, D), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -247,6 +249,62 @@ def test_narrow_operand_blocks_equal_flax(rng):
     assert make_plan(net, D, 32).chunks(256) == (32,) * 8
     with pytest.raises(ValueError, match="max_chunk"):
         make_plan(net, D, 24)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+def test_reading_blocks_ahead_changes_nothing(rng, layout):
+    """``lookahead`` only moves loads earlier: Q, actions and logits are bit-equal to reading
+    each block as it is used (64-wide blocks, so the forward reads dozens of them)."""
+    net = _net("bfloat16")
+    params = _params(rng, net, D)
+    obs = jnp.asarray(2.0 * rng.standard_normal((40, D)), jnp.float32)
+    outs = []
+    for ahead in (0, 1, 3):
+        cfg = KernelConfig(block_rows=16, num_warps=4, layout=layout, max_chunk=64,
+                           lookahead=ahead)
+        outs.append(jax.jit(lambda p, o, _c=cfg: (
+            fused_q_forward(p, o, net, Z, config=_c, interpret=True),
+            fused_logits(p, o, net, config=_c, interpret=True)))(params, obs))
+    for other in outs[1:]:
+        chex.assert_trees_all_equal(other, outs[0])
+
+
+class _LoggedBlocks(qf._Blocks):
+    """Blocks that are zeros, logging each read and how many reads preceded each hand-out."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.reads, self.handed = [], []
+
+    def _read(self, key):
+        self.reads.append(key)
+        _, cols, rows = key
+        return jnp.zeros((cols[1],) if rows is None else (rows[1], cols[1]),
+                         jnp.float32 if rows is None else self.cd)
+
+    def __call__(self, name, cols, rows=None):
+        out = super().__call__(name, cols, rows)
+        self.handed.append(len(self.reads))
+        return out
+
+
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+@pytest.mark.parametrize("ahead", [1, 2, 5])
+def test_blocks_are_read_ahead_in_the_forwards_order(layout, ahead):
+    net = _net("bfloat16")
+    plan = make_plan(net, D, 64)
+    cd = jnp.bfloat16
+    order = qf.read_blocks(plan, cd, layout, None, 16, ahead).order
+    weights = [i for i, key in enumerate(order) if key[2] is not None]
+    assert len(weights) > 40 and len(set(order)) == len(order)
+    blocks = _LoggedBlocks({}, cd, order, ahead)
+    xs = [jnp.zeros((16, c), cd) for c in plan.chunks(D)]
+    actions = qf.forward_rows(plan, cd, layout, blocks, xs, jnp.zeros((16,), jnp.float32))
+    assert len(actions) == len(BRANCHES)
+    assert blocks.reads == order  # each block once, in the order the forward uses them
+    for i, done in enumerate(blocks.handed):
+        later = [j for j in weights if j > i][:ahead]
+        assert done >= (later[-1] + 1 if later else i + 1), f"block {i} handed out too early"
 
 
 def test_pack_params_pads_with_exact_zeros(rng):
