@@ -1,9 +1,11 @@
 """The trainer: one epoch = Experience -> Training (K steps) -> Validation, each one jitted call.
 
 Read :meth:`Trainer.run_epoch` top to bottom for the whole algorithm. Phase times (DESIGN 3.11)
-are measured around each call with ``block_until_ready``; Init (data, tables, device upload,
-state) and Compile (ahead-of-time ``lower().compile()`` of the three phase functions) are
-reported on the first epoch a process runs.
+are measured with ``block_until_ready``: Experience and Training from their call to their
+completion; Validation, which is queued behind Training before the host waits (so its launch
+overlaps Training's GPU work), from Training's completion to its own. Init (data, tables,
+device upload, state) and Compile (ahead-of-time ``lower().compile()`` of the three phase
+functions) are reported on the first epoch a process runs.
 
 Data parallelism (DESIGN 3.13, :mod:`foxhunt_jax.parallel`): the state holds ``S =
 train.shards`` shards of episodes (rollout ``[S, N/S, ...]``) and of replay (``[S, C/S, ...]``),
@@ -272,15 +274,17 @@ class Trainer:
         jax.block_until_ready(state)
         ms["experience"] = (time.perf_counter() - t0) * 1e3
 
+        # Validation is queued right behind training, before the host waits for training: its
+        # launch (~0.5 ms of host work before its first kernel) then overlaps training's GPU
+        # work. Training's time runs to its completion, validation's from there to its own.
         t0 = time.perf_counter()
         state, learn = ph["training"](tr, state, sched)
-        jax.block_until_ready(state)
-        ms["training"] = (time.perf_counter() - t0) * 1e3
-
-        t0 = time.perf_counter()
         val, val_loss = ph["validation"](va, self._val_starts_device(), self._local_agent(state))
-        jax.block_until_ready(val)
-        ms["validation"] = (time.perf_counter() - t0) * 1e3
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        ms["training"] = (t1 - t0) * 1e3
+        jax.block_until_ready((val, val_loss))
+        ms["validation"] = (time.perf_counter() - t1) * 1e3
 
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0  # reported once per process
