@@ -206,3 +206,25 @@ def test_a_sharded_program_loads_onto_its_own_device_order(tmp_path):
     assert [o["loaded"] for o in out] == [False, True]
     assert out[0]["a"] == out[1]["a"] and out[0]["b"] == out[1]["b"]
     assert out[1]["devices"] == [3, 0, 2, 1]
+
+
+def test_both_backends_share_the_training_program_and_its_key():
+    """The executable cache keys the training program without ``network.backend``
+    (``trainer.program_key_config``): that is sound only while both backends lower it to the
+    same program."""
+    from foxhunt_jax.training.trainer import program_key_config
+
+    texts, keys = {}, {}
+    for backend in ("xla", "pallas"):
+        cfg = load_config("smoke", ["network.dtype=bfloat16", f"network.backend={backend}"])
+        tr = Trainer.build(cfg)
+        state = tr.init_state()
+        programs = tr.phase_programs(state)
+        jitted, args = programs["training"]
+        texts[backend] = jitted.lower(*args).as_text()
+        keys[backend] = {name: jitcache.cache_key(name, program_key_config(cfg, name), a)
+                         for name, (_, a) in programs.items()}
+    assert texts["xla"] == texts["pallas"]
+    assert keys["xla"]["training"] == keys["pallas"]["training"]
+    assert keys["xla"]["experience"] != keys["pallas"]["experience"]
+    assert keys["xla"]["validation"] != keys["pallas"]["validation"]

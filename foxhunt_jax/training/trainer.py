@@ -16,6 +16,7 @@ count.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -142,6 +143,21 @@ def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: A
     return {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}, loss
 
 
+def program_key_config(cfg: Config, name: str) -> Config:
+    """The config that keys phase program ``name`` in the executable cache.
+
+    The training program does not depend on ``network.backend``: the update always runs the Flax
+    layers (a test lowers it under both backends and compares). So the key leaves the backend
+    out, and a run of either backend loads the training program that a run of the other
+    compiled. Without that, JAX's persistent cache served the second backend's training
+    program, such programs are not stored (``jitcache.compile_cached``), and each later start
+    compiled it again from that cache: 1.04 s against 0.37 s on an H200 (BENCHMARKS.md).
+    """
+    if name != "training":
+        return cfg
+    return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
+
+
 @dataclass
 class Trainer:
     """Builds data, env params, learner, device mesh and compiled phase functions for one config.
@@ -250,7 +266,8 @@ class Trainer:
         programs, cfg = self.phase_programs(state), self.cfg
         # the executable cache (jitcache) skips tracing and lowering when a previous process
         # compiled the same program; with the cache off this is lower().compile()
-        build = lambda name: compile_cached(*programs[name], name=name, config=cfg)  # noqa: E731
+        build = lambda name: compile_cached(*programs[name], name=name,  # noqa: E731
+                                            config=program_key_config(cfg, name))
         if threads:
             with ThreadPoolExecutor(max_workers=len(programs)) as pool:
                 done = dict(zip(programs, pool.map(build, programs)))
