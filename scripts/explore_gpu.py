@@ -671,8 +671,8 @@ def _annotated(name: str, fn, host: dict):
     appends (ms until the call returned, ms until its results were ready) to ``host[name]``.
 
     Each wrapped call waits for its own results, so under these wrappers the trainer cannot
-    queue validation behind training: its Training phase time then includes Validation (whose
-    own time is ~0), and the ready times are the per-phase figures."""
+    queue its phases back to back: its Training phase time then includes Validation (whose own
+    time is ~0), and the ready times are the per-phase figures."""
     def call(*a):
         with jax.profiler.TraceAnnotation(f"phase:{name}"):
             t0 = time.perf_counter()
