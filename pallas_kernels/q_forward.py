@@ -199,10 +199,12 @@ class _Blocks:
     ``blocks(name, cols, rows=None)`` returns ``ops[name][rows, cols]`` (offset, size pairs;
     ``rows`` None for a bias). With ``lookahead`` k > 0 the loads run k weight blocks ahead of
     use: the next k weight blocks (and the biases before them) are read before a block is handed
-    out, so their memory latency overlaps the products in between. Triton issues a load where the program has it, so without this a timestep of the
-    rollout kernel waits for each weight block in turn (BENCHMARKS.md). The order is recorded by
-    a first, abstract pass of the same forward (``ops=None``: blocks are zeros, nothing is
-    read), so it has one definition.
+    out, so their memory latency overlaps the products in between. Triton issues a load where
+    the program has it, so without this each product first waits for its block. That pays in
+    the Q-forward at large N and not in the rollout kernel, whose timestep is bound by moving
+    the weights rather than by waiting for them (BENCHMARKS.md, session 6). The order is
+    recorded by a first, abstract pass of the same forward (``ops=None``: blocks are zeros,
+    nothing is read), so it has one definition.
     """
 
     def __init__(self, ops: dict | None, cd, order: list | None = None, lookahead: int = 0):
@@ -278,8 +280,8 @@ def read_blocks(plan: Plan, cd, layout: str, ops: dict, rows: int,
         order = []
         xs = [jax.ShapeDtypeStruct((rows, c), cd) for c in plan.chunks(plan.obs_dim)]
         z = jax.ShapeDtypeStruct((plan.atoms_pad,), jnp.float32)
-        jax.eval_shape(lambda xs_, z_: _forward(plan, cd, layout, _Blocks(None, cd, order),
-                                                 xs_, z_, None, None, False), xs, z)
+        jax.eval_shape(lambda xs_, z_: forward_rows(plan, cd, layout, _Blocks(None, cd, order),
+                                                     xs_, z_, greedy=False), xs, z)
     return _Blocks(ops, cd, order, lookahead)
 
 
@@ -298,11 +300,6 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
     Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``), or an
     empty list when not ``greedy``.
     """
-    return _forward(plan, cd, layout, blocks, xs, z, on_q, on_logits, greedy)
-
-
-def _forward(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q, on_logits,
-             greedy: bool) -> list:
     sizes = plan.chunks(plan.obs_dim)
     for i, w in enumerate(plan.trunk):
         out_sizes = plan.chunks(w)
@@ -574,7 +571,7 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "read_blocks", "launch", "on_cuda",
-           "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
+__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "read_blocks", "launch",
+           "on_cuda", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
            "forward_flops"]

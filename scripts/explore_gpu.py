@@ -59,8 +59,8 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts", "compilesweep",
-            "kernelcompile", "profile")
+SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
+            "compilesweep", "kernelcompile", "profile")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
