@@ -30,6 +30,8 @@ default was chosen from, each in the same process so ratios are fair:
   kernels, and for the training phase the busy time per learner step; before the trace, in
   untraced epochs, when each phase's call returns and when its results are ready (raw kernel
   and host events of one epoch go to ``--profile-events``).
+- ``launch``: a program's launch cost by its number of arguments (a donated pytree of ``n``
+  small arrays): how long the call takes to return, and how long until its results are ready.
 
 Usage (GPU)::
 
@@ -60,7 +62,7 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
-            "compilesweep", "kernelcompile", "profile")
+            "compilesweep", "kernelcompile", "profile", "launch")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -644,6 +646,30 @@ print(json.dumps({"lower_s": t1 - t0, "compile_s": t2 - t1, "startup_s": startup
 """
 
 
+def section_launch(args, out: dict) -> None:
+    """What a program's launch costs the host, by the number of arguments: a jitted program
+    adding 1 to every leaf of a pytree of ``n`` small float32 arrays (donated, as the phase
+    programs' state is), timed from the call to its return and to its results being ready."""
+    out["rows"] = []
+    for n in args.launch_leaves:
+        tree = [jnp.zeros((256,), jnp.float32) + i for i in range(n)]
+        f = jax.jit(lambda t: [x + 1.0 for x in t], donate_argnums=0)
+        tree = jax.block_until_ready(f(tree))
+        returned, ready = [], []
+        for _ in range(args.reps * 5):
+            t0 = time.perf_counter()
+            tree = f(tree)
+            t1 = time.perf_counter()
+            jax.block_until_ready(tree)
+            returned.append((t1 - t0) * 1e3)
+            ready.append((time.perf_counter() - t0) * 1e3)
+        row = {"leaves": n, "returned_ms": statistics.median(returned),
+               "ready_ms": statistics.median(ready), "returned": spread(returned)}
+        out["rows"].append(row)
+        print(f"  launch {n} leaves: call returns after {row['returned_ms'] * 1e3:.0f} us, "
+              f"ready after {row['ready_ms'] * 1e3:.0f} us", flush=True)
+
+
 def section_kernelcompile(args, out: dict) -> None:
     """The cold compile (no caches) of each rollout kernel in a program of its own, collect mode
     (experience) and evaluate mode (validation), each in a fresh process: how much of the phase
@@ -867,6 +893,7 @@ def main(argv=None) -> dict:
     args.forward_shapes = _shapes(args.forward_shapes or (
         "16x4,16x4p1" if q else "128x8,128x8x128,128x8x128p1,128x8x128p2,128x8p1"))
     args.prio_rows = 48 if q else 102_400
+    args.launch_leaves = (1, 16) if q else (1, 16, 64, 128, 256)
     args.loop_n = (32,) if q else (16384, 262144, 1 << 20)
     args.obs_dim = 40
     args.rnd_rows = 256 if q else 1 << 22
