@@ -177,14 +177,20 @@ def test_explore_script_quick_run_writes_every_section(tmp_path):
     explore = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(explore)
     out = tmp_path / "explore.json"
-    res = explore.main(["--quick", "--sections", "rollout,rnd,learner", "--json", str(out),
-                        "--unrolls", "1", "--learner-dtypes", "float32",
+    res = explore.main(["--quick", "--sections", "rollout,forward,rnd,learner,launch", "--json",
+                        str(out), "--unrolls", "1", "--learner-dtypes", "float32",
                         "--learner-variants", "base,concat_online"])
     saved = json.loads(out.read_text())
-    assert set(saved) == {"meta", "rollout", "rnd", "learner"}
-    rows = [r for name in ("rollout", "rnd", "learner") for r in res[name]["rows"]]
+    assert set(saved) == {"meta", "rollout", "forward", "rnd", "learner", "launch"}
+    rows = [r for name in ("rollout", "forward", "rnd", "learner") for r in res[name]["rows"]]
     assert rows and not [r for r in rows if "error" in r]
     assert all(r["ms"] > 0 for r in rows)
     assert {r["variant"] for r in res["learner"]["rows"]} == {"base", "concat_online"}
     assert all(r["kernels_in_program"] > 0 for r in res["learner"]["rows"])
     assert res["rnd"]["rows"][0]["max_rel_err_fresh"] < 1e-5  # f32 HIGHEST against float64
+    assert {r["kind"] for r in res["forward"]["rows"]} == {"actions", "logits",
+                                                          "logits_and_actions"}
+    assert {r["lookahead"] for r in res["forward"]["rows"]} == {0, 1}  # the quick shapes
+    launch = res["launch"]["rows"]
+    assert [r["leaves"] for r in launch] == [1, 16]
+    assert all(0 < r["returned_ms"] <= r["ready_ms"] for r in launch)
