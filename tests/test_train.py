@@ -158,3 +158,19 @@ def test_readme_library_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md", "exec"), {})
     assert (tmp_path / "runs" / "library-example" / "report" / "summary.json").exists()
+
+
+class _Fails:
+    """A leaf whose wait fails, as a program that failed on the device does."""
+
+    def block_until_ready(self):
+        raise RuntimeError("device program failed")
+
+
+def test_phase_ready_time_is_after_the_results_and_passes_a_failure_on():
+    x = jnp.arange(1000.0) * 2.0
+    t0 = time.perf_counter()
+    done = trainer_mod._ready_time({"x": x})
+    assert t0 <= done() <= time.perf_counter()
+    with pytest.raises(RuntimeError, match="device program failed"):
+        trainer_mod._ready_time([_Fails()])()

@@ -147,16 +147,26 @@ def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: A
 
 def _ready_time(tree) -> Callable[[], float]:
     """Starts a thread that waits until ``tree``'s arrays are ready; the returned function joins
-    it and gives that moment (``time.perf_counter``). The thread waits in JAX's C++ code without
-    the GIL; it takes the GIL back only to read the clock."""
-    box = []
-    waiter = threading.Thread(target=lambda: box.append(
-        (jax.block_until_ready(tree), time.perf_counter())[1]), daemon=True)
+    it and gives that moment (``time.perf_counter``), or raises what the wait raised (a failed
+    program). The thread waits in JAX's C++ code without the GIL; it takes the GIL back only to
+    read the clock."""
+    box = {}
+
+    def wait():
+        try:
+            jax.block_until_ready(tree)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by join()
+            box["error"] = e
+        box["time"] = time.perf_counter()
+
+    waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
 
     def join() -> float:
         waiter.join()
-        return box[0]
+        if "error" in box:
+            raise box["error"]
+        return box["time"]
     return join
 
 
