@@ -161,6 +161,14 @@ def explore_actions(key: jax.Array, greedy: jax.Array, branch_sizes: Sequence[in
 BACKENDS = ("xla", "pallas")
 
 
+def _use_pallas(backend: str) -> bool:
+    """Whether ``backend`` is ``"pallas"`` (else ``"xla"``); ConfigError for any other name."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"config key 'network.backend' must be one of {BACKENDS}, got "
+                          f"{backend!r}")
+    return backend == "pallas"
+
+
 def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
               backend: str = "xla", *, with_q: bool = False):
     """The collection/inference forward: greedy actions (and expected Q) at ``obs [..., D]``.
@@ -172,13 +180,10 @@ def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
     Returns ``(q, actions)``: ``q`` a tuple over branches of ``[..., n_d]`` float32 expected Q
     (None unless ``with_q``), ``actions [..., B]`` int32 (per-branch argmax, first of ties).
     """
-    if backend == "xla":
+    if not _use_pallas(backend):
         logits = network.apply(params, obs)
         q = tuple(expected_q(l, z) for l in logits) if with_q else None
         return q, greedy_actions(logits, z)
-    if backend != "pallas":
-        raise ConfigError(f"config key 'network.backend' must be one of {BACKENDS}, got "
-                          f"{backend!r}")
     from pallas_kernels.q_forward import fused_q_forward
 
     lead, dim = obs.shape[:-1], obs.shape[-1]
@@ -197,11 +202,8 @@ def forward_logits(params: Any, obs: jax.Array, network: QNetwork, backend: str 
     (:func:`pallas_kernels.q_forward.fused_logits`, tested equal); the learner's update always
     uses ``network.apply``, which provides gradients.
     """
-    if backend == "xla":
+    if not _use_pallas(backend):
         return network.apply(params, obs)
-    if backend != "pallas":
-        raise ConfigError(f"config key 'network.backend' must be one of {BACKENDS}, got "
-                          f"{backend!r}")
     from pallas_kernels.q_forward import fused_logits
 
     lead, dim = obs.shape[:-1], obs.shape[-1]
