@@ -163,15 +163,11 @@ def section_forward(args, out: dict) -> None:
     """The Q-forward kernel's launch shapes (``--forward-shapes``): greedy actions at N = 2^20,
     and the logits (``fused_logits``; and the same kernel also computing the greedy tail, as
     before it stopped at the logits) at the seed's 102,400 priority rows and at 2^20."""
-    from foxhunt_jax.agent.network import QNetwork
     from pallas_kernels import q_forward as qf
 
-    net = QNetwork(branch_sizes=(5, 3, 3), trunk=(256, 256), head=160, atoms=11,
-                   dtype="bfloat16")
-    if args.quick:
-        net = QNetwork(branch_sizes=(5, 3, 3), trunk=(32,), head=16, atoms=11, dtype="bfloat16")
-    params = jax.jit(net.init)(jax.random.key(args.seed), jnp.zeros((1, args.obs_dim)))
-    z = jnp.linspace(-10.0, 10.0, 11, dtype=jnp.float32)
+    tr = _trainer(args, "pallas", "bfloat16")  # the run's config: its network and observations
+    net, z, dim = tr.learner.network, tr.learner.support, tr.obs_dim
+    params = jax.jit(net.init)(jax.random.key(args.seed), jnp.zeros((1, dim)))
     kinds = {
         "actions": lambda p, o, kc: qf.fused_q_forward(p, o, net, z, with_q=False, config=kc)[1],
         "logits": lambda p, o, kc: qf.fused_logits(p, o, net, config=kc),
@@ -182,7 +178,7 @@ def section_forward(args, out: dict) -> None:
              ("logits_and_actions", args.prio_rows), ("logits", args.large_n)]
     out["rows"] = []
     for kind, n in cases:
-        obs = jax.random.normal(jax.random.key(args.seed + 1), (n, args.obs_dim), jnp.float32)
+        obs = jax.random.normal(jax.random.key(args.seed + 1), (n, dim), jnp.float32)
         for shape in args.forward_shapes:
             if time.perf_counter() > args._deadline:
                 out.setdefault("skipped", []).append(f"{kind} N={n} {shape}")
