@@ -614,8 +614,6 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
     times the env's own random-action rollout (:func:`foxhunt_jax.env.trading.rollout`: env
     step, random actions, auto-reset; no forward, no transitions kept).
     """
-    import jax
-
     from foxhunt_jax.env import trading
     from foxhunt_jax.training import collect
 

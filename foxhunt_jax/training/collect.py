@@ -30,7 +30,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from foxhunt_jax.agent import curiosity, replay
+from foxhunt_jax.agent import curiosity
 from foxhunt_jax.agent.learner import AgentState, Learner, per_sample_loss
 from foxhunt_jax.agent.network import explore_actions, q_forward
 from foxhunt_jax.agent.loss import n_step_targets

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from foxhunt_jax import parallel
-from foxhunt_jax.agent import curiosity, replay
+from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import (AgentState, Learner, beta_from, epsilon_from, init_agent,
                                        make_learner, schedule_values, train_steps)
 from foxhunt_jax.config import Config
