@@ -54,12 +54,22 @@ def compile_line(rec: dict, trainer: Trainer) -> str:
 
 
 def _check_finite(state: TrainerState, rec: dict) -> None:
+    """NonFiniteError when the epoch's loss, parameters or optimizer state hold a NaN or Inf.
+
+    The training program computes the two flags on the device; only a failed one reads the
+    tree, to name its first bad leaf (``state`` may already hold the next epoch's Experience,
+    which leaves both trees as training left them).
+    """
     epoch = rec["epoch"]
     if not np.isfinite(rec["loss"]):
         raise NonFiniteError(f"epoch {epoch}: training loss is {rec['loss']}; stopped, last good "
                              "checkpoint kept")
-    checkpoint.assert_finite(state.agent.params, "params", epoch)
-    checkpoint.assert_finite(state.agent.opt_state, "optimizer state", epoch)
+    for flag, tree, what in (("finite_params", state.agent.params, "params"),
+                             ("finite_opt_state", state.agent.opt_state, "optimizer state")):
+        if not rec[flag]:
+            checkpoint.assert_finite(tree, what, epoch)  # raises, naming the leaf
+            raise NonFiniteError(f"epoch {epoch}: {what} not finite; stopped, last good "
+                                 "checkpoint kept")
 
 
 def _metadata(cfg: Config, epoch: int) -> dict:
@@ -109,9 +119,15 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
 
     epochs = cfg.train.epochs
     bar = _progress(progress, epochs, int(state.epoch))
+    epoch = int(state.epoch)
     try:
-        while int(state.epoch) < epochs:
-            state, rec = trainer.run_epoch(state)
+        while epoch < epochs:
+            # Queue the next epoch's Experience behind this one (its launch then overlaps this
+            # epoch's GPU work) unless this epoch's state is to be checkpointed.
+            save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
+                                        or epoch + 1 == epochs)
+            state, rec = trainer.run_epoch(state, queue_next=epoch + 1 < epochs and not save)
+            epoch = rec["epoch"]
             _check_finite(state, rec)
             if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
                 (bar.console.print if bar else log)(compile_line(rec, trainer))
@@ -120,8 +136,7 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
                 writer.log(rec)
             if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:
                 (bar.console.print if bar else log)(phase_line(rec, epochs))
-            if out is not None and (rec["epoch"] % cfg.train.checkpoint_every == 0
-                                    or rec["epoch"] == epochs):
+            if save:
                 # every process calls save: orbax synchronizes them and process 0 writes
                 checkpoint.save(out / "checkpoints", rec["epoch"], state,
                                 _metadata(cfg, rec["epoch"]))

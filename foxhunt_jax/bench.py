@@ -419,21 +419,33 @@ def _obs_dim(cfg, market) -> int:
     return int(tables.features.shape[1]) + PORTFOLIO_DIM
 
 
-def _run_epochs(tr, epochs: int, warmup: int) -> dict:
-    """Runs warmup + epochs epochs; returns per-phase spreads and the first epoch's init/compile."""
-    state = tr.init_state()
+def _time_epochs(tr, state, count: int, warmup: int) -> tuple[dict, dict, dict]:
+    """Runs warmup + count epochs from ``state``: (per-phase lists of the last ``count``, the
+    first epoch's ``phase_ms``, the last record).
+
+    Each epoch queues the next one's Experience (``run_epoch(queue_next=True)``, as training
+    without a checkpoint between epochs does), so the times are those of a steady loop:
+    Experience runs from the previous epoch's Validation to its own completion.
+    """
     phases = {"experience": [], "training": [], "validation": [], "total": []}
-    first = None
-    for e in range(warmup + epochs):
-        state, rec = tr.run_epoch(state)
+    first = rec = None
+    for e in range(warmup + count):
+        state, rec = tr.run_epoch(state, queue_next=e + 1 < warmup + count)
         ms = rec["phase_ms"]
-        if first is None:
-            first = {"init_ms": ms.get("init", 0.0), "compile_ms": ms.get("compile", 0.0)}
+        first = first or ms
         if e >= warmup:
             for k in ("experience", "training", "validation"):
                 phases[k].append(ms[k])
             phases["total"].append(ms["experience"] + ms["training"] + ms["validation"])
-    return {**first, "phases": {k: spread(v) for k, v in phases.items()},
+    return phases, first, rec
+
+
+def _run_epochs(tr, epochs: int, warmup: int) -> dict:
+    """Runs warmup + epochs epochs; returns per-phase spreads and the first epoch's init/compile
+    (:func:`_time_epochs`)."""
+    phases, first, rec = _time_epochs(tr, tr.init_state(), epochs, warmup)
+    return {"init_ms": first.get("init", 0.0), "compile_ms": first.get("compile", 0.0),
+            "phases": {k: spread(v) for k, v in phases.items()},
             "samples": phases, "finite": bool(rec["finite_params"]), "last_loss": rec["loss"]}
 
 
@@ -585,14 +597,7 @@ def child_main(args) -> dict:
                "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded}
         if args.epochs > 0:
             tr.init_ms = tr.compile_ms = 0.0
-            phases = {"experience": [], "training": [], "validation": [], "total": []}
-            for e in range(args.warmup + args.epochs):
-                state, rec = tr.run_epoch(state)
-                ms = rec["phase_ms"]
-                if e >= args.warmup:
-                    for k in ("experience", "training", "validation"):
-                        phases[k].append(ms[k])
-                    phases["total"].append(ms["experience"] + ms["training"] + ms["validation"])
+            phases, _, _ = _time_epochs(tr, state, args.epochs, args.warmup)
             row["phases"] = {k: spread(v) for k, v in phases.items()}
         rows.append(row)
     res = {"cache": cache, "jax_startup_s": startup, "xla_flags": os.environ.get("XLA_FLAGS", ""),

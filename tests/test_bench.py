@@ -62,7 +62,7 @@ class _RecordedTrainer:
     def init_state(self):
         return 0
 
-    def run_epoch(self, state):
+    def run_epoch(self, state, queue_next=False):
         exp, trn, val = self.times[self.k]
         ms = {"experience": exp, "training": trn, "validation": val,
               "init": self.init_ms if self.k == 0 else 0.0,

@@ -95,25 +95,54 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     assert without_timing(a) == without_timing(b)
 
 
-def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("every,bad_epoch", [(1, 2), (2, 3)])
+def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, monkeypatch,
+                                                                      every, bad_epoch):
+    # every=2: epoch 3 is not checkpointed, so it queues epoch 4's Experience before its
+    # metrics are read; the guard still stops at epoch 3 and keeps epoch 2's checkpoint
     real = trainer_mod.train_steps
 
     def poisoned(learner, decode, agent, buffer, key, beta, num_steps):
         agent, buffer, m = real(learner, decode, agent, buffer, key, beta, num_steps)
-        bad = agent.step > num_steps  # from the second epoch on
+        bad = agent.step > (bad_epoch - 1) * num_steps
         params = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), agent.params)
         return agent.replace(params=params), buffer, m
 
     monkeypatch.setattr(trainer_mod, "train_steps", poisoned)
     out = tmp_path / "poisoned"
-    with pytest.raises(NonFiniteError, match=r"^epoch 2: .*(NaN|nan)"):
-        api.train(load_config("smoke"), out, progress=False, log=lambda s: None)
-    assert checkpoint.latest_step(out / "checkpoints") == 1
-    tr = trainer_mod.Trainer.build(load_config("smoke"))
-    state, meta = checkpoint.restore(out / "checkpoints", 1, tr.init_state())
-    assert meta["epoch"] == 1
+    cfg = load_config("smoke", [f"train.checkpoint_every={every}", "train.epochs=5"])
+    with pytest.raises(NonFiniteError, match=rf"^epoch {bad_epoch}: params contain NaN"):
+        api.train(cfg, out, progress=False, log=lambda s: None)
+    good = bad_epoch - 1
+    assert checkpoint.latest_step(out / "checkpoints") == good
+    tr = trainer_mod.Trainer.build(cfg)
+    state, meta = checkpoint.restore(out / "checkpoints", good, tr.init_state())
+    assert meta["epoch"] == good and int(state.epoch) == good
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.agent.params))
-    assert [r["epoch"] for r in read_metrics(out)] == [1]
+    assert [r["epoch"] for r in read_metrics(out)] == list(range(1, bad_epoch))
+
+
+def test_queued_experience_gives_the_same_epochs():
+    """run_epoch(queue_next=True) queues the next Experience early; the numbers do not change."""
+    def run(queue):
+        tr = trainer_mod.Trainer.build(load_config("smoke"))
+        state, recs = tr.init_state(), []
+        for e in range(3):
+            state, rec = tr.run_epoch(state, queue_next=queue and e < 2)
+            recs.append(rec)
+        return state, recs, tr
+
+    (s0, r0, _), (s1, r1, tr) = run(False), run(True)
+    assert tr._queued is None
+    assert without_timing(r0) == without_timing(r1)
+    assert [r["epoch"] for r in r1] == [1, 2, 3]
+    for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a state that is not the queued one runs its own Experience (the queued one is dropped)
+    state, _ = tr.run_epoch(tr.init_state(), queue_next=True)
+    assert tr._queued is not None and tr._queued.state is state
+    fresh, rec = tr.run_epoch(tr.init_state())
+    assert tr._queued is None and rec["epoch"] == 1
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
