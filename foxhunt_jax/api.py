@@ -57,8 +57,8 @@ def _check_finite(state: TrainerState, rec: dict) -> None:
     """NonFiniteError when the epoch's loss, parameters or optimizer state hold a NaN or Inf.
 
     The training program computes the two flags on the device; only a failed one reads the
-    tree, to name its first bad leaf (``state`` may already hold the next epoch's Experience,
-    which leaves both trees as training left them).
+    tree, to name its first bad leaf (``state`` may already hold the next epoch's Experience
+    and Training; a NaN or Inf there stays there, and if it did not, the message names no leaf).
     """
     epoch = rec["epoch"]
     if not np.isfinite(rec["loss"]):
@@ -122,8 +122,8 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     epoch = int(state.epoch)
     try:
         while epoch < epochs:
-            # Queue the next epoch's Experience behind this one (its launch then overlaps this
-            # epoch's GPU work) unless this epoch's state is to be checkpointed.
+            # Queue the next epoch's Experience and Training behind this epoch (their launches
+            # then overlap GPU work) unless this epoch's state is to be checkpointed.
             save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
                                         or epoch + 1 == epochs)
             state, rec = trainer.run_epoch(state, queue_next=epoch + 1 < epochs and not save)

@@ -423,9 +423,9 @@ def _time_epochs(tr, state, count: int, warmup: int) -> tuple[dict, dict, dict]:
     """Runs warmup + count epochs from ``state``: (per-phase lists of the last ``count``, the
     first epoch's ``phase_ms``, the last record).
 
-    Each epoch queues the next one's Experience (``run_epoch(queue_next=True)``, as training
-    without a checkpoint between epochs does), so the times are those of a steady loop:
-    Experience runs from the previous epoch's Validation to its own completion.
+    Each epoch queues the next one's Experience and Training (``run_epoch(queue_next=True)``,
+    as training without a checkpoint between epochs does), so the times are those of a steady
+    loop: Experience runs from the previous epoch's Validation to its own completion.
     """
     phases = {"experience": [], "training": [], "validation": [], "total": []}
     first = rec = None

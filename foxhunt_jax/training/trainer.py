@@ -187,14 +187,17 @@ def program_key_config(cfg: Config, name: str) -> Config:
 
 
 @dataclass(frozen=True)
-class _QueuedExperience:
-    """The next epoch's Experience, queued by ``run_epoch(..., queue_next=True)``: its output
-    state and stats, the join of its completion thread (:func:`_ready_time`) and the moment the
-    host saw the previous epoch's Validation complete (where the queued phase's time starts)."""
+class _Queued:
+    """An epoch's Experience and Training, queued by the previous ``run_epoch(...,
+    queue_next=True)``: the state after them, their results, the joins of their completion
+    threads (:func:`_ready_time`) and the moment the host saw the previous epoch's Validation
+    complete (where this epoch's time starts)."""
 
     state: TrainerState
-    stats: dict
-    done: Callable[[], float]
+    exp_stats: dict
+    exp_done: Callable[[], float]
+    learn: dict
+    learn_done: Callable[[], float]
     since: float
 
 
@@ -219,7 +222,7 @@ class Trainer:
     mesh: Any = None  # jax.sharding.Mesh over the devices that run the phases
     _val_starts_dev: Any = None  # val_starts on this process's first device of the mesh
     _schedule_dev: Any = None  # schedule_values on the mesh
-    _queued: _QueuedExperience | None = None  # see run_epoch(queue_next=True)
+    _queued: _Queued | None = None  # see run_epoch(queue_next=True)
     _val_bh: dict | None = None  # buy-and-hold metrics of the validation windows (fixed)
 
     @classmethod
@@ -323,45 +326,47 @@ class Trainer:
                   ) -> tuple[TrainerState, dict]:
         """One epoch; returns the new state and its metrics record (host floats).
 
-        ``queue_next``: also queue the next epoch's Experience behind this epoch's Validation,
-        before the metrics are read, so that its launch (~1.1 ms of host work on an H200)
-        overlaps this epoch's GPU work instead of leaving the GPU idle at the start of the next
-        epoch. The returned state is then the state *after* that Experience: pass it to the next
-        ``run_epoch``, which picks the queued phase up, but do not checkpoint it (its replay,
-        episodes, RND statistics and key are one phase ahead of the epoch counter). The numbers
-        are the same either way (a test compares them).
+        ``queue_next``: also queue the next epoch's Experience and Training behind this epoch's
+        Validation, before this epoch's metrics are read. Their launches (~2 ms of host work on
+        an H200) and the host's work between epochs then overlap GPU work instead of leaving
+        the GPU idle. The returned state is then the state *after* those two phases: pass it to
+        the next ``run_epoch``, which picks them up, but do not checkpoint it (it is a phase
+        ahead of the epoch counter). The numbers are the same either way (a test compares them).
         """
         if self._phases is None:
             self.compile(state)
         ph, ms = self._phases, {}
         tr, va = self.env_params["train"], self.env_params["validation"]
-
         sched = self._schedule_device()  # epsilon and beta follow state.epoch on the device
 
-        # The programs are queued back to back: each one's launch (host work before its first
-        # kernel: ~1 ms for training, ~0.5 ms for validation on an H200) overlaps the GPU work
-        # before it. A thread notes when Experience's results are ready while this one queues
-        # the rest; each phase's time runs from the previous phase's completion (the call, for
-        # an Experience not queued by the previous epoch) to its own.
-        queued, self._queued = self._queued, None
-        if queued is not None and queued.state is state:
-            t0, exp_stats, exp_done = queued.since, queued.stats, queued.done
-        else:
-            t0 = time.perf_counter()
+        def experience_and_training(state):
+            # Queued back to back: Training's launch (~1 ms of host work) overlaps Experience's
+            # GPU work. Threads note when each one's results are ready (:func:`_ready_time`).
             state, exp_stats = ph["experience"](tr, state, sched)
             exp_done = _ready_time(exp_stats)  # not donated: the training call takes `state`
-        state, learn = ph["training"](tr, state, sched)
+            state, learn = ph["training"](tr, state, sched)
+            return state, exp_stats, exp_done, learn, _ready_time(learn)
+
+        # Each phase's time runs from the previous phase's completion to its own; the first,
+        # Experience, from the previous epoch's Validation when that epoch queued this one, else
+        # from this call.
+        queued, self._queued = self._queued, None
+        if queued is not None and queued.state is state:
+            t0, state = queued.since, queued.state
+            exp_stats, exp_done, learn, learn_done = (queued.exp_stats, queued.exp_done,
+                                                      queued.learn, queued.learn_done)
+        else:
+            t0 = time.perf_counter()
+            state, exp_stats, exp_done, learn, learn_done = experience_and_training(state)
         val, val_loss = ph["validation"](va, self._val_starts_device(), self._local_agent(state))
-        if queue_next:  # donates `state`: nothing below reads it
-            state, next_stats = ph["experience"](tr, state, sched)
-            next_done = _ready_time(next_stats)
-        t1 = exp_done()
-        jax.block_until_ready(learn)
-        t2 = time.perf_counter()
+        if queue_next:  # donates `state` (Validation above was queued first)
+            nxt = experience_and_training(state)
+            state = nxt[0]
+        t1, t2 = exp_done(), learn_done()
         jax.block_until_ready((val, val_loss))
         t3 = time.perf_counter()
         if queue_next:
-            self._queued = _QueuedExperience(state, next_stats, next_done, t3)
+            self._queued = _Queued(*nxt, since=t3)
         ms["experience"], ms["training"], ms["validation"] = (
             (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 
