@@ -62,7 +62,7 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
-            "compilesweep", "kernelcompile", "profile", "launch")
+            "compilesweep", "kernelcompile", "profile", "launch", "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -792,6 +792,43 @@ def _gpu_events(path: str) -> tuple[list, list, list, list]:
                     kernels += [(e.start_ns, e.end_ns, line.name, e.name) for e in line.events
                                 if "memcpy" not in e.name.lower()]
     return sorted(windows, key=lambda w: w[1]), sorted(kernels), lines, sorted(host)
+
+
+def section_overlap(args, out: dict) -> None:
+    """One epoch's Validation beside the next epoch's Experience in one program, against the two
+    programs one after the other (the trainer's order). Both only read the agent that Training
+    left, and the validation rollout kernel fills 4 of the GPU's multiprocessors at the seed's 64
+    windows: does XLA run them at once? Same inputs (nothing donated), medians of ``reps`` calls.
+    """
+    from foxhunt_jax.training.trainer import experience_phase, validation_phase
+
+    backend, dtype = _child_variant(args)
+    tr = _trainer(args, backend, dtype)
+    lr, cfg = tr.learner, tr.cfg
+    state = tr.init_state()
+    for _ in range(2):  # a replay buffer with two epochs of transitions, a trained agent
+        state, _ = tr.run_epoch(state)
+    trp, vap = tr.env_params["train"], tr.env_params["validation"]
+    sched, starts = tr._schedule_device(), tr._val_starts_device()
+    exp = jax.jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e))
+    val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
+    both = jax.jit(lambda p, s, e, q, st: (validation_phase(lr, cfg, q, st, s.agent),
+                                           experience_phase(lr, cfg, p, s, e)))
+    calls = {"experience": lambda: exp(trp, state, sched),
+             "validation": lambda: val(vap, starts, state.agent),
+             "one_after_other": lambda: (val(vap, starts, state.agent), exp(trp, state, sched)),
+             "one_program": lambda: both(trp, state, sched, vap, starts)}
+    out["rows"] = []
+    for name, fn in calls.items():
+        row = {"variant": name, **_timed(fn, args.reps)}
+        out["rows"].append(row)
+        print(f"  {name}: {row['ms']:.3f} ms [{row['spread']['p25']:.3f}-"
+              f"{row['spread']['p75']:.3f}]", flush=True)
+    (v1, e1), (v2, e2) = calls["one_after_other"](), calls["one_program"]()
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+               for a, b in zip(jax.tree.leaves((v1, e1[1])), jax.tree.leaves((v2, e2[1]))))
+    out["max_abs_diff"] = diff
+    print(f"  results of the two forms differ by at most {diff:.3g}", flush=True)
 
 
 def section_profile(args, out: dict) -> None:
