@@ -1,10 +1,11 @@
 """The trainer: one epoch = Experience -> Training (K steps) -> Validation, each one jitted call.
 
 Read :meth:`Trainer.run_epoch` top to bottom for the whole algorithm. The three phase programs
-are queued back to back, so each one's launch overlaps the GPU work before it. Phase times
-(DESIGN 3.11) are measured with ``block_until_ready`` on each phase's results: Experience from
-its call to its completion, Training and Validation from the previous phase's completion to
-their own. Init (data, tables, device upload, state) and Compile (ahead-of-time
+are queued back to back, so each one's launch overlaps the GPU work before it; with
+``queue_next`` the next epoch's Experience and Training are queued behind them before the
+metrics are read. Phase times (DESIGN 3.11) are measured with ``block_until_ready`` on each
+phase's results: each phase from the previous phase's completion to its own (Experience from
+the call, or from the previous epoch's Validation when that epoch queued it). Init (data, tables, device upload, state) and Compile (ahead-of-time
 ``lower().compile()`` of the three phase functions) are reported on the first epoch a process
 runs.
 
