@@ -64,7 +64,7 @@ def _check_finite(state: TrainerState, rec: dict) -> None:
     if not np.isfinite(rec["loss"]):
         raise NonFiniteError(f"epoch {epoch}: training loss is {rec['loss']}; stopped, last good "
                              "checkpoint kept")
-    for flag, tree, what in (("finite_params", state.agent.network_params(), "params"),
+    for flag, tree, what in (("finite_params", state.agent.params, "params"),
                              ("finite_opt_state", state.agent.opt_state, "optimizer state")):
         if not rec[flag]:
             checkpoint.assert_finite(tree, what, epoch)  # raises, naming the leaf

@@ -626,8 +626,8 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
         if not use_q:
             return trading.rollout(key, env_params, trading.random_policy(
                 learner.network.branch_sizes), rollout.obs.shape[0], num_steps)
-        rollout, traj = collect.trajectory(learner, adapter, env_params, agent.network_params(),
-                                           rollout, key, epsilon, num_steps)
+        rollout, traj = collect.trajectory(learner, adapter, env_params, agent.params, rollout,
+                                           key, epsilon, num_steps)
         if use_rnd and agent.rnd is not None:
             traj = dict(traj, novelty=collect.novelty(adapter, env_params, agent.rnd,
                                                       traj["next_obs"]))
@@ -790,7 +790,7 @@ def rollout_equality(args, market, n: int) -> dict:
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
         run = jit(lambda a, r, k, _l=learner: collect.trajectory(
-            _l, TRADING_ADAPTER, env_p, a.network_params(), r, k, jnp.float32(0.1), length)[1])
+            _l, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
         trajs[backend] = jax.device_get(run(agent, rollout, jax.random.key(args.seed + 1)))
     ref, got = trajs["xla"], trajs["pallas"]
     same = np.all(ref["action"] == got["action"], axis=(0, 2))  # [N]

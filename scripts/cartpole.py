@@ -131,7 +131,7 @@ def run(iterations: int = ITERATIONS, seed: int = 0) -> dict:
     def train_all(agent, buffer, rollout, key, k_eval):
         xs = (jnp.arange(iterations), jax.random.split(key, iterations))
         (agent, _, _), _ = jax.lax.scan(iteration, (agent, buffer, rollout), xs)
-        return agent, greedy_score(learner, agent.network_params(), k_eval)
+        return agent, greedy_score(learner, agent.params, k_eval)
 
     t0 = time.perf_counter()  # compilation included: this is the wall time of the whole run
     agent, score = jax.block_until_ready(train_all(agent, buffer, rollout, k_run, k_eval))

@@ -56,6 +56,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
@@ -136,11 +137,11 @@ def section_rollout(args, out: dict) -> None:
                     f = jax.jit(lambda p, st, d, r, _kc=kc, _k=kernel: _k(
                         p, net, s.learner.support, s.env_p, st, L, mode="collect", draws=d,
                         reset_bars=r, config=_kc))
-                    call = lambda: f(s.agent.network_params(), state, draws, resets)  # noqa: E731
+                    call = lambda: f(s.agent.params, state, draws, resets)  # noqa: E731
                 else:
                     f = jax.jit(lambda p, st, _kc=kc, _k=kernel: _k(
                         p, net, s.learner.support, s.env_p, st, L, mode="evaluate", config=_kc))
-                    call = lambda: f(s.agent.network_params(), state)  # noqa: E731
+                    call = lambda: f(s.agent.params, state)  # noqa: E731
                 t0 = time.perf_counter()
                 jax.block_until_ready(call())
                 row["first_call_s"] = time.perf_counter() - t0
@@ -220,7 +221,7 @@ def section_loopform(args, out: dict) -> None:
             try:
                 s = _setup(args, backend, "bfloat16", n)
                 f = jax.jit(lambda a, r, k, _s=s, _ad=adapter: collect.trajectory(
-                    _s.learner, _ad, _s.env_p, a.network_params(), r, k, jnp.float32(0.1), L))
+                    _s.learner, _ad, _s.env_p, a.params, r, k, jnp.float32(0.1), L))
                 keys = iter(jax.random.split(jax.random.key(args.seed + 3), 64))
                 reps = 3 if n >= (1 << 18) else args.reps
                 row.update(_timed(lambda: f(s.agent, s.rollout, next(keys)), reps))
@@ -322,6 +323,55 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
+def _flat_variant(learner, agent):
+    """A candidate learner step with the online and target parameters as flat vectors.
+
+    Returns ``(agent, step)``: the agent as ``{params, target, opt, rnd, step}`` (both networks
+    raveled, the optimizer chain on the vector without ``optax.flatten``, a hard target update)
+    and ``step(learner, decode, agent, buffer, key, beta) -> (agent, buffer, metrics)`` in
+    :func:`~foxhunt_jax.agent.learner.learner_step`'s form (sharded buffer). Measured against
+    the library's step before a state layout change (BENCHMARKS.md, session 7).
+    """
+    from jax.flatten_util import ravel_pytree
+
+    from foxhunt_jax.agent import curiosity, learner as learner_mod, replay
+
+    flat, unravel = ravel_pytree(agent.params)
+    t = learner.train_cfg
+    opt = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                      optax.adam(t.learning_rate, eps=t.adam_eps))
+    fagent = {"params": flat, "target": ravel_pytree(agent.target_params)[0],
+              "opt": opt.init(flat), "rnd": agent.rnd, "step": agent.step}
+
+    def step(learner, decode, fa, buffer, key, beta):
+        r, m = learner.replay_cfg, learner.train_cfg.batch_size
+        items, indices, weights = replay.sample_shards(buffer, key, m, beta)
+        rows = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
+        items, weights = jax.tree.map(rows, items), rows(weights)
+        obs, next_obs = decode(items)
+        target = unravel(fa["target"])
+
+        def loss_fn(p):
+            losses = learner_mod.per_sample_loss(learner, unravel(p), target, obs, next_obs,
+                                                 items["action"], items["reward"],
+                                                 items["discount"])
+            return jnp.mean(weights * losses), losses
+
+        (loss, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(fa["params"])
+        updates, opt_state = opt.update(grads, fa["opt"], fa["params"])
+        params = fa["params"] + updates
+        n = fa["step"] + 1
+        new_target = jnp.where(n % t.target_period == 0, params, fa["target"])
+        rnd = fa["rnd"]
+        if rnd is not None:
+            rnd, _ = curiosity.update(rnd, next_obs)
+        buffer = replay.update_priorities_shards(buffer, indices, losses.reshape(indices.shape),
+                                                 r.alpha, r.priority_eps)
+        return ({"params": params, "target": new_target, "opt": opt_state, "rnd": rnd,
+                 "step": n}, buffer, {"loss": loss})
+    return fagent, step
+
+
 def _options(variant: str) -> dict:
     """XLA compile options of a learner variant ``xla:name=value,name=value``, else none."""
     if not variant.startswith("xla:"):
@@ -364,15 +414,24 @@ def section_learner(args, out: dict) -> None:
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
                    "unroll": unroll, "variant": variant}
             learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
-            if variant == "no_rnd":  # curiosity off: no RND predictor update in the step
+            step_fn = learner_step
+            if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
+                t = s.cfg.train
+                learner = dataclasses.replace(learner, optimizer=optax.chain(
+                    optax.clip_by_global_norm(t.max_grad_norm),
+                    optax.adam(t.learning_rate, eps=t.adam_eps)))
+                agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
+            elif variant == "no_rnd":  # curiosity off: no RND predictor update in the step
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 loss = _concat_online_loss
+            elif variant == "flat":  # both networks' parameters as flat vectors
+                agent, step_fn = _flat_variant(learner, agent)
             try:
-                def steps(agent, buf, key, _u=unroll, _l=learner):
+                def steps(agent, buf, key, _u=unroll, _l=learner, _step=step_fn):
                     def body(c, kk):
                         a, b = c
-                        a, b, m = learner_step(_l, decode, a, b, kk, jnp.float32(0.5))
+                        a, b, m = _step(_l, decode, a, b, kk, jnp.float32(0.5))
                         return (a, b), m["loss"]
                     (a, b), ls = jax.lax.scan(body, (agent, buf), jax.random.split(key, k),
                                               unroll=_u)
@@ -400,12 +459,16 @@ def section_learner(args, out: dict) -> None:
                                   args.reps))
                 row["us_per_step"] = row["ms"] * 1e3 / k
                 # same inputs and key as the first variant: how far its parameters end up
-                params = jax.device_get(compiled(agent, state.buffer, jax.random.key(2))[0].params)
+                params = compiled(agent, state.buffer, jax.random.key(2))[0]
+                params = jax.device_get(params["params"] if variant == "flat" else params.params)
                 if base_params is None:
                     base_params = params
-                elif variant != "base" and variant.startswith("xla:"):
+                elif variant != "base" and (variant.startswith("xla:") or variant == "flat"):
+                    # raveled in the pytree's leaf order, as ravel_pytree does
+                    flat = lambda tree: np.concatenate(  # noqa: E731
+                        [np.ravel(x) for x in jax.tree.leaves(tree)])
                     row["max_abs_param_diff_vs_base"] = float(
-                        np.max(np.abs(params - base_params)))
+                        np.max(np.abs(flat(params) - flat(base_params))))
                 print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
                       f"in the program, compile {row['compile_s']:.1f} s, params differ from "
@@ -619,11 +682,11 @@ if opts["mode"] == "collect":
     keys = collect.step_keys(jax.random.key(0), tr.cfg.env.episode_length)
     fn = lambda a, r, k: fused.collect_trajectory(lr, p, a, r, k, jnp.float32(0.1),
                                                   tr.cfg.env.episode_length)
-    args = (state.agent.network_params(), jax.tree.map(lambda x: x[0], state.rollout), keys)
+    args = (state.agent.params, jax.tree.map(lambda x: x[0], state.rollout), keys)
 else:
     va = tr.env_params["validation"]
     fn = lambda a, s: fused.evaluate_trajectory(lr, a, va, s, tr.cfg.env.episode_length)
-    args = (state.agent.network_params(), tr._val_starts_device())
+    args = (state.agent.params, tr._val_starts_device())
 t0 = time.perf_counter()
 lowered = jit(fn).lower(*args)
 t1 = time.perf_counter()
@@ -893,7 +956,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
-                    help="base, no_rnd, concat_online (one online forward over s and s')")
+                    help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
+                         "no_rnd, concat_online (one online forward over s and s')")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--xla-cache-settings", default="default,all",

@@ -92,7 +92,7 @@ def test_greedy_score_counts_steps_like_the_float64_reference(cartpole):
     from the same initial states."""
     cfg = load_config(None, cartpole.OVERRIDES)
     learner = make_learner(cfg, (2,))
-    params = init_agent(jax.random.PRNGKey(0), learner, 4).network_params()
+    params = init_agent(jax.random.PRNGKey(0), learner, 4).params
     k = cfg.network.atoms
     out = params["params"]["adv0_out"]
     # inputs are ignored; action 0 puts its mass on high atoms, action 1 on low ones

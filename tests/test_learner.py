@@ -61,7 +61,7 @@ def test_expected_q_converges_to_true_values_on_chain_mdp():
     run = jax.jit(lambda a, b, k: train_steps(learner, decode, a, b, k, jnp.float32(1.0), 1500))
     agent, buf, m = run(agent, buf, jax.random.PRNGKey(2))
     agent, buf, m = run(agent, buf, jax.random.PRNGKey(3))
-    logits = learner.network.apply(agent.network_params(), jnp.eye(5, dtype=jnp.float32)[:N_STATES])
+    logits = learner.network.apply(agent.params, jnp.eye(5, dtype=jnp.float32)[:N_STATES])
     q = np.asarray(expected_q(logits[0], learner.support), np.float64)
     chex.assert_shape(q, (N_STATES, 2))
     rel = np.abs(q - q_true) / np.abs(q_true)
@@ -84,7 +84,7 @@ def test_loss_falls_on_fixed_batch():
     decode = lambda it: (it["obs"], it["next_obs"])
 
     def full_loss(a):
-        return float(jnp.mean(per_sample_loss(learner, a.network_params(), a.network_params(True), items["obs"],
+        return float(jnp.mean(per_sample_loss(learner, a.params, a.target_params, items["obs"],
                                               items["next_obs"], items["action"], items["reward"],
                                               items["discount"])))
 

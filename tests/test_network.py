@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.flatten_util import ravel_pytree
 
 from foxhunt_jax.agent.network import (
-    ParamLayout,
     QNetwork,
     expected_q,
+    flatten_params,
     greedy_actions,
     make_network,
     param_count,
@@ -169,28 +168,18 @@ def test_param_count_default_config(rng):
     assert abs(count - target) <= 0.1 * target
 
 
-def test_param_layout_round_trip(rng):
+def test_flatten_params_round_trip(rng):
     net, params = _init(rng)
-    layout = ParamLayout.of(params)
-    flat = layout.ravel(params)
+    flat, unravel = flatten_params(params)
     chex.assert_shape(flat, (param_count(params),))
     chex.assert_type(flat, jnp.float32)
-    assert layout.size == param_count(params)
-    # ravel_pytree's order: leaves in flattening order, each row-major
-    np.testing.assert_array_equal(flat, ravel_pytree(params)[0])
-    chex.assert_trees_all_equal(layout.unravel(flat), params)
+    chex.assert_trees_all_equal(unravel(flat), params)
     # A new buffer maps back leaf by leaf, in the order of the tree's leaves.
     new_flat = jnp.asarray(rng.normal(size=flat.shape), jnp.float32)
-    leaves = jax.tree_util.tree_leaves(layout.unravel(new_flat))
+    leaves = jax.tree_util.tree_leaves(unravel(new_flat))
     np.testing.assert_array_equal(np.concatenate([np.ravel(x) for x in leaves]), new_flat)
     obs = rng.normal(size=(64, D)).astype(np.float32)
-    chex.assert_trees_all_close(_apply(net)(layout.unravel(flat), obs), _apply(net)(params, obs))
-    # equal by value (a static field of the agent's state), and it checks what it is given
-    assert layout == ParamLayout.of(jax.eval_shape(lambda: params)) and hash(layout)
-    with pytest.raises(ValueError, match="expected a vector of"):
-        layout.unravel(flat[:-1])
-    with pytest.raises(ValueError, match="the tree is"):
-        layout.ravel({"other": flat})
+    chex.assert_trees_all_close(_apply(net)(unravel(flat), obs), _apply(net)(params, obs))
 
 
 def test_support_and_expected_q(rng):

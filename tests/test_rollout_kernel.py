@@ -93,7 +93,7 @@ def test_fused_collection_equals_scan(tables, overrides, n, eps):
         agent = _agent(learner, params, seed)
         rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
         out[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent: collect.trajectory(
-            _l, TRADING_ADAPTER, _p, _a.network_params(), r, k, jnp.float32(eps), steps))(rollout, key)
+            _l, TRADING_ADAPTER, _p, _a.params, r, k, jnp.float32(eps), steps))(rollout, key)
     (r_xla, t_xla), (r_pal, t_pal) = out["xla"], out["pallas"]
     chex.assert_shape(t_pal["action"], (steps, n, len(cfg.env.branch_sizes)))
     chex.assert_type(t_pal["action"], jnp.int32)
@@ -128,7 +128,7 @@ def test_loop_form_is_chosen_by_episode_count(tables, monkeypatch):
         rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
         for name, lr in (("pallas", learner), ("xla", xla)):
             out[name, n] = jax.jit(lambda r, k, _l=lr: collect.trajectory(
-                _l, adapter, params, agent.network_params(), r, k, jnp.float32(0.3), 8))(rollout, key)[1]
+                _l, adapter, params, agent.params, r, k, jnp.float32(0.3), 8))(rollout, key)[1]
     assert len(kernel_calls) == 1  # traced once: N = 16 (the kernel); N = 24 took the scan
     for n in (16, 24):
         _assert_same_trajectory(out["pallas", n], out["xla", n])
@@ -166,7 +166,7 @@ def test_fused_evaluation_equals_scan(tables, overrides):
             if backend == "xla" else got["lengths"]
         got["lengths"] = lengths
         got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params: validate.greedy_rollout(
-            _l, p, _e, s, steps, jax.random.key(0), le))(agent.network_params(), starts, lengths)
+            _l, p, _e, s, steps, jax.random.key(0), le))(agent.params, starts, lengths)
     ref, out = got["xla"], got["pallas"]
     assert set(out) == set(ref)
     same = _agreeing(out["action"], ref["action"])
@@ -195,7 +195,7 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
             fused_rollout(p, net, z, params, s, steps, draws=draws, reset_bars=resets,
                           config=_c),
             fused_rollout(p, net, z, params, s, steps, mode="evaluate", config=_c)))(
-                agent.network_params(), state))
+                agent.params, state))
     chex.assert_trees_all_equal(runs[1], runs[0])
 
 
@@ -209,11 +209,11 @@ def test_validation_loss_backends_agree(tables):
         agent = _agent(learner, params, seed)
         starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 12))
         traj = jax.jit(lambda p, s, _l=learner, _e=params: validate.greedy_rollout(
-            _l, p, _e, s, 6, jax.random.key(0)))(agent.network_params(), starts)
+            _l, p, _e, s, 6, jax.random.key(0)))(agent.params, starts)
         if backend == "xla":
             ref_traj = traj  # both losses on one trajectory, so only the forwards differ
         loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
-            _l, a.network_params(), a.network_params(True), _e, t))(agent, ref_traj)
+            _l, a.params, a.target_params, _e, t))(agent, ref_traj)
     chex.assert_shape(loss["pallas"], ())
     np.testing.assert_allclose(float(loss["pallas"]), float(loss["xla"]), rtol=1e-5)
     assert float(loss["xla"]) > 0.0
@@ -224,9 +224,9 @@ def test_rollout_arguments_are_checked(tables):
     agent = _agent(learner, params, 0)
     _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:16], params)
     with pytest.raises(ValueError, match="mode must be one of"):
-        fused_rollout(agent.network_params(), learner.network, learner.support, params, state, 3, mode="x")
+        fused_rollout(agent.params, learner.network, learner.support, params, state, 3, mode="x")
     with pytest.raises(ValueError, match="reset_bars are required in collect mode"):
-        fused_rollout(agent.network_params(), learner.network, learner.support, params, state, 3)
+        fused_rollout(agent.params, learner.network, learner.support, params, state, 3)
 
 
 def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
@@ -243,12 +243,12 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
     net, z = learner.network, learner.support
     collect_fn = jax.jit(lambda p, s, d, r: fused_rollout(p, net, z, params, s, steps, draws=d,
                                                           reset_bars=r, interpret=False))
-    text = collect_fn.trace(agent.network_params(), state, draws, resets).lower(
+    text = collect_fn.trace(agent.params, state, draws, resets).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_rollout" in text
     # evaluation also with weight blocks read ahead (the Q-forward's default reading)
     for kc in (None, qf.KernelConfig(block_rows=16, num_warps=8, max_chunk=128, lookahead=2)):
         eval_fn = jax.jit(lambda p, s, _c=kc: fused_rollout(
             p, net, z, params, s, steps, mode="evaluate", config=_c, interpret=False))
-        assert "xla.gpu.triton" in eval_fn.trace(agent.network_params(), state).lower(
+        assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -2,9 +2,9 @@
 
 from foxhunt_jax.agent.loss import c51_double_q_loss, categorical_projection, n_step_targets
 from foxhunt_jax.agent.network import (
-    ParamLayout,
     QNetwork,
     expected_q,
+    flatten_params,
     greedy_actions,
     make_network,
     param_count,
@@ -12,6 +12,6 @@ from foxhunt_jax.agent.network import (
 )
 
 __all__ = [
-    "QNetwork", "make_network", "support", "expected_q", "greedy_actions", "ParamLayout",
+    "QNetwork", "make_network", "support", "expected_q", "greedy_actions", "flatten_params",
     "param_count", "categorical_projection", "c51_double_q_loss", "n_step_targets",
 ]

@@ -17,14 +17,13 @@ Shapes: ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
@@ -239,51 +238,10 @@ def init_params(module: nn.Module, key: jax.Array, example: jax.Array) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@dataclass(frozen=True)
-class ParamLayout:
-    """Where each tensor of a parameter pytree sits in one flat float32 vector ``[P]``.
-
-    Leaves in the pytree's flattening order, each raveled row-major (the order of
-    ``jax.flatten_util.ravel_pytree``). The agent keeps its networks' parameters as such vectors
-    (:class:`~foxhunt_jax.agent.learner.AgentState`): the optimizer, the update and the target
-    update then each run on one array, which makes a learner step 5.7 % faster on an H200
-    (BENCHMARKS.md, session 7). Hashable by value, so it can be a static field of a state and
-    two runs of one config share their compiled programs.
-    """
-
-    treedef: Any
-    shapes: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def of(cls, tree: Any) -> "ParamLayout":
-        """The layout of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` leaves)."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        return cls(treedef, tuple(tuple(int(d) for d in x.shape) for x in leaves))
-
-    @property
-    def size(self) -> int:
-        """``P``, the number of scalars."""
-        return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
-
-    def ravel(self, tree: Any) -> jax.Array:
-        """The pytree as one ``[P]`` float32 vector (its structure must be this layout's)."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self.treedef:
-            raise ValueError(f"ParamLayout.ravel: the tree is {treedef}, the layout {self.treedef}")
-        return jnp.concatenate([jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves])
-
-    def unravel(self, flat: jax.Array) -> Any:
-        """The pytree of a ``[P]`` vector (static slices; inside a program XLA fuses them into
-        their consumers)."""
-        if flat.shape != (self.size,):
-            raise ValueError(f"ParamLayout.unravel: expected a vector of {self.size} values, got "
-                             f"shape {tuple(flat.shape)}")
-        leaves, offset = [], 0
-        for shape in self.shapes:
-            n = int(np.prod(shape, dtype=np.int64))
-            leaves.append(flat[offset:offset + n].reshape(shape))
-            offset += n
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+def flatten_params(params: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """Parameters as one flat float32 buffer ``[P]`` and the function that rebuilds the tree."""
+    flat, unravel = ravel_pytree(params)
+    return flat.astype(jnp.float32), unravel
 
 
 def param_count(params: Any) -> int:
@@ -293,4 +251,4 @@ def param_count(params: Any) -> int:
 
 __all__ = ["QNetwork", "make_network", "init_params", "support", "expected_q", "greedy_actions",
            "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
-           "ParamLayout", "param_count"]
+           "flatten_params", "param_count"]

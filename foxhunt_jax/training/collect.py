@@ -211,8 +211,8 @@ def novelty(adapter: EnvAdapter, env_params, rnd, enc) -> jax.Array:
 def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
              rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
     """:func:`collect` with the raw novelty ``[L*N]`` returned instead of the updated RND state."""
-    rollout, traj = trajectory(learner, adapter, env_params, agent.network_params(), rollout, key,
-                               epsilon, num_steps)
+    rollout, traj = trajectory(learner, adapter, env_params, agent.params, rollout, key, epsilon,
+                               num_steps)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     extrinsic = traj["reward"]
     raw = bonus = jnp.zeros_like(extrinsic)
@@ -232,8 +232,8 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     def loss_of(it):
         obs = adapter.decode(it["obs"], env_params)
         next_obs = adapter.decode(it["next_obs"], env_params)
-        return per_sample_loss(learner, agent.network_params(), agent.network_params(True),
-                               obs, next_obs, it["action"], it["reward"], it["discount"],
+        return per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
+                               it["action"], it["reward"], it["discount"],
                                learner.net_cfg.backend)
 
     priorities = chunked(loss_of, items, PRIORITY_CHUNK)

@@ -141,10 +141,9 @@ def training_phase(learner: Learner, cfg: Config, env_params, state: TrainerStat
 
 
 def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: AgentState):
-    params, target = agent.network_params(), agent.network_params(target=True)
-    traj = validate.greedy_rollout(learner, params, env_params, starts, cfg.env.episode_length,
-                                   jax.random.key(0))
-    loss = validate.validation_loss(learner, params, target, env_params, traj)
+    traj = validate.greedy_rollout(learner, agent.params, env_params, starts,
+                                   cfg.env.episode_length, jax.random.key(0))
+    loss = validate.validation_loss(learner, agent.params, agent.target_params, env_params, traj)
     return {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}, loss
 
 
@@ -460,8 +459,8 @@ class Trainer:
                                          config={"config": self.cfg, "steps": steps})
             return validate.equity_paths(compiled(*args))
 
-        paths = {"agent": walk_with("agent", run, params, agent.network_params(),
-                                    jax.random.key(seed), *walk)}
+        paths = {"agent": walk_with("agent", run, params, agent.params, jax.random.key(seed),
+                                    *walk)}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
             paths["oracle"] = walk_with("oracle", run_oracle, params,
                                         jnp.asarray(self.tables.last_log_return), *walk)
