@@ -136,6 +136,12 @@ def test_queued_experience_gives_the_same_epochs():
     assert tr._queued is None
     assert without_timing(r0) == without_timing(r1)
     assert [r["epoch"] for r in r1] == [1, 2, 3]
+    # each phase from the previous one's completion (a queued Experience from the previous
+    # epoch's Validation): never negative, and they add up to the total
+    for r in r1:
+        ms = r["phase_ms"]
+        assert min(ms["experience"], ms["training"], ms["validation"]) >= 0
+        assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # a state that is not the queued one runs its own Experience (the queued one is dropped)

@@ -360,12 +360,13 @@ class Trainer:
             t0 = time.perf_counter()
             state, exp_stats, exp_done, learn, learn_done = experience_and_training(state)
         val, val_loss = ph["validation"](va, self._val_starts_device(), self._local_agent(state))
+        # a thread, not this one: the queuing below may keep this thread busy past Validation's
+        # completion (an H200 run saw it noted ~10 ms late, BENCHMARKS.md, session 7)
+        val_done = _ready_time((val, val_loss))
         if queue_next:  # donates `state` (Validation above was queued first)
             nxt = experience_and_training(state)
             state = nxt[0]
-        t1, t2 = exp_done(), learn_done()
-        jax.block_until_ready((val, val_loss))
-        t3 = time.perf_counter()
+        t1, t2, t3 = exp_done(), learn_done(), val_done()
         if queue_next:
             self._queued = _Queued(*nxt, since=t3)
         ms["experience"], ms["training"], ms["validation"] = (
