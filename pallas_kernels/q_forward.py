@@ -279,9 +279,8 @@ def read_blocks(plan: Plan, cd, layout: str, ops: dict, rows: int,
     if lookahead:
         order = []
         xs = [jax.ShapeDtypeStruct((rows, c), cd) for c in plan.chunks(plan.obs_dim)]
-        z = jax.ShapeDtypeStruct((plan.atoms_pad,), jnp.float32)
-        jax.eval_shape(lambda xs_, z_: forward_rows(plan, cd, layout, _Blocks(None, cd, order),
-                                                     xs_, z_, greedy=False), xs, z)
+        jax.eval_shape(lambda xs_: forward_rows(plan, cd, layout, _Blocks(None, cd, order), xs_,
+                                                None, greedy=False), xs)
     return _Blocks(ops, cd, order, lookahead)
 
 
@@ -291,7 +290,7 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
     dtype; ``blocks``: the parameters' reader (:func:`read_blocks`); ``z`` ``[Kp]`` f32 (zero
-    past K). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]``
+    past K; None when not ``greedy``). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]``
     (grouped, -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action).
     ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
     n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
@@ -365,9 +364,13 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
 
 
 def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
-            greedy: bool, x_ref, z_ref, *refs):
-    """Outputs, in order: expected Q (``with_q``), one logits block ``[BM, n_pad, Kp]`` per
-    branch (``with_logits``), actions (``greedy``)."""
+            greedy: bool, x_ref, *refs):
+    """Inputs: the observation block, the support ``[Kp]`` (``greedy`` only), the parameter
+    operands. Outputs, in order: expected Q (``with_q``), one logits block ``[BM, n_pad, Kp]``
+    per branch (``with_logits``), actions (``greedy``)."""
+    z = None
+    if greedy:
+        z, refs = refs[0][...], refs[1:]
     n_ops = len(operand_names(plan))
     ops = dict(zip(operand_names(plan), refs[:n_ops]))
     outs = refs[n_ops:]
@@ -393,7 +396,7 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
     blocks.start()
     sizes = plan.chunks(plan.obs_dim)
     xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
-    actions = forward_rows(plan, cd, config.layout, blocks, xs, z_ref[...],
+    actions = forward_rows(plan, cd, config.layout, blocks, xs, z,
                            store_q if with_q else None, store_logits if with_logits else None,
                            greedy=greedy)
     for d, a in enumerate(actions):
@@ -472,11 +475,11 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
     return run
 
 
-def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
-         with_logits: bool, config: KernelConfig | None, interpret: bool | None,
-         greedy: bool = True):
+def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q: bool,
+         with_logits: bool, config: KernelConfig | None, interpret: bool | None):
     """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B]
-    or None when not ``greedy``)."""
+    or None). ``support`` None stops the kernel at the logits (no greedy tail, no actions)."""
+    greedy = support is not None
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
@@ -491,11 +494,14 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
     x = _pad2(jnp.asarray(obs, jnp.float32), rows, dp).astype(cd)
     packed = pack_params(params, plan, network.dtype)
     operands = [packed[k] for k in operand_names(plan)]
-    z = jnp.pad(jnp.asarray(support, jnp.float32), (0, plan.atoms_pad - plan.atoms))
     nb, kp = len(plan.branch_sizes), plan.atoms_pad
 
     full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
-    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0)), full(z)] + [full(a) for a in operands]
+    inputs = [x]
+    if greedy:
+        inputs.append(jnp.pad(jnp.asarray(support, jnp.float32), (0, kp - plan.atoms)))
+    inputs += operands
+    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0))] + [full(a) for a in inputs[1:]]
     out_shape, out_specs = [], []
     if with_q:
         out_shape.append(jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
@@ -511,7 +517,7 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array, with_q: bool,
 
     kernel = functools.partial(_kernel, plan, cd, config, with_q, with_logits, greedy)
     outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
-                  tuple(out_shape), interpret)(x, z, *operands)
+                  tuple(out_shape), interpret)(*inputs)
     q = logits = None
     if with_q:
         q = tuple(outs[0][:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
@@ -552,9 +558,7 @@ def fused_logits(params: Any, obs: jax.Array, network, *, config: KernelConfig |
     power-of-two blocks); the padding is sliced off outside the kernel. The kernel stops at the
     logits: no softmax, expected Q or actions.
     """
-    support = jnp.zeros((network.atoms,), jnp.float32)  # not read without the greedy tail
-    _, logits, _ = _run(params, obs, network, support, False, True, config, interpret,
-                        greedy=False)
+    _, logits, _ = _run(params, obs, network, None, False, True, config, interpret)
     return logits
 
 

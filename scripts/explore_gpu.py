@@ -171,8 +171,7 @@ def section_forward(args, out: dict) -> None:
     kinds = {
         "actions": lambda p, o, kc: qf.fused_q_forward(p, o, net, z, with_q=False, config=kc)[1],
         "logits": lambda p, o, kc: qf.fused_logits(p, o, net, config=kc),
-        "logits_and_actions": lambda p, o, kc: qf._run(p, o, net, z, False, True, kc, None,
-                                                       greedy=True)[1],
+        "logits_and_actions": lambda p, o, kc: qf._run(p, o, net, z, False, True, kc, None)[1],
     }
     cases = [("actions", args.large_n), ("logits", args.prio_rows),
              ("logits_and_actions", args.prio_rows), ("logits", args.large_n)]
