@@ -367,6 +367,12 @@ class Trainer:
             nxt = experience_and_training(state)
             state = nxt[0]
         t1, t2, t3 = exp_done(), learn_done(), val_done()
+        # A GPU runs the programs in queue order, but a CPU may run a queued Experience beside
+        # the Validation before it (they share no data), and threads wake in any order: a phase
+        # seen to end before the one before it counts as taking no time.
+        t1 = max(t1, t0)
+        t2 = max(t2, t1)
+        t3 = max(t3, t2)
         if queue_next:
             self._queued = _Queued(*nxt, since=t3)
         ms["experience"], ms["training"], ms["validation"] = (
