@@ -99,6 +99,36 @@ def test_restore_keeps_target_sharding_and_shape_dtype_targets(tmp_path):
     assert got.params["trunk_0"]["kernel"].sharding == state.params["trunk_0"]["kernel"].sharding
 
 
+def _saved_layout(ckpt_dir, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    mgr = ckpt._manager(ckpt_dir, read_only=True)
+    try:
+        return mgr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+    finally:
+        mgr.close()
+
+
+def test_replicated_leaves_are_packed_and_unpacked_checkpoints_restore(tmp_path, monkeypatch):
+    state = make_state(6)
+    ckpt.save(tmp_path / "packed", 1, state, {})
+    layout = _saved_layout(tmp_path / "packed", 1)
+    packed = [e for e in layout["leaves"] if "pack" in e]
+    # float32, bfloat16, int32 and uint32 (key data) groups of two or more leaves
+    assert {p["dtype"] for p in layout["packs"]} == {"float32", "bfloat16", "int32", "uint32"}
+    assert len(packed) >= 8 and len(layout["packs"]) == 4
+    for j, pack in enumerate(layout["packs"]):  # each pack is its members end to end
+        sizes = [int(np.prod(e["shape"])) for e in packed if e["pack"][0] == j]
+        assert pack["size"] == sum(sizes)
+    assert_same_state(ckpt.restore(tmp_path / "packed", 1, make_state(0))[0], state)
+    # a checkpoint written leaf by leaf (as before packing) restores the same
+    monkeypatch.setattr(ckpt, "_pack_group", lambda value: None)
+    ckpt.save(tmp_path / "plain", 1, state, {})
+    assert not _saved_layout(tmp_path / "plain", 1)["packs"]
+    monkeypatch.undo()
+    assert_same_state(ckpt.restore(tmp_path / "plain", 1, make_state(0))[0], state)
+
+
 def test_keeps_last_two_and_latest(tmp_path):
     assert ckpt.latest_step(tmp_path / "missing") is None
     assert not (tmp_path / "missing").exists()
@@ -224,7 +254,10 @@ SHARDED_SCRIPT = textwrap.dedent("""
     split, rep = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
     state = {"w": jax.device_put(jnp.arange(8.0).reshape(4, 2), split),
              "keys": jax.device_put(jax.random.split(jax.random.key(0), 4), split),
-             "key": jax.device_put(jax.random.key(3), rep)}
+             "key": jax.device_put(jax.random.key(3), rep),
+             # replicated, one dtype: stored as one pack
+             "a": jax.device_put(jnp.arange(6.0).reshape(2, 3), rep),
+             "b": jax.device_put(jnp.float32(7.0), rep)}
     ckpt.save(sys.argv[1], 1, state, {})
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             state)
@@ -232,7 +265,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
         got, _ = ckpt.restore(sys.argv[1], 1, target)
         for k in state:
             assert got[k].sharding == state[k].sharding, k
-        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
+        for k in ("w", "a", "b"):
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
         for k in ("keys", "key"):
             np.testing.assert_array_equal(jax.random.key_data(got[k]),
                                           jax.random.key_data(state[k]))

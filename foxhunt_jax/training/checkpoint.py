@@ -7,9 +7,15 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   raw ``uint32`` key data and wrapped again on restore; Python and NumPy scalars are stored as
   0-d arrays. Storing leaves flat (instead of orbax's own view of the tree) makes any pytree work
   the same way: dicts, optax states (NamedTuples), ``flax.struct`` dataclasses.
-* ``layout`` (JSON): path, shape, dtype and kind of every leaf, checked against the restore
-  target so a checkpoint of another configuration fails with one line naming the first leaf
-  that differs.
+  Replicated jax arrays of one dtype and placement are packed into one vector,
+  ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes
+  (85 arrays of 15 MB in all took 0.30 s, one array of 15 MB 0.07 s on a 2-core CPU), and the
+  agent alone is 62 replicated arrays (on one device the seed config's whole state saves as 5
+  arrays, in 0.10-0.13 s against 0.26-0.44 s; docs/training.md).
+* ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
+  and offset), checked against the restore target so a checkpoint of another configuration
+  fails with one line naming the first leaf that differs. Checkpoints written before packing
+  (no ``packs`` in the layout) restore leaf by leaf, as before.
 * ``metadata`` (JSON): the caller's dict (epoch, config, ...).
 
 orbax writes a step into a temporary directory and renames it when complete; a step whose save
@@ -20,6 +26,7 @@ last ``keep`` (default 2) checkpoints are kept.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -130,6 +137,72 @@ def _rebuild(value: Any, target: Any, saved: dict) -> Any:
     return value
 
 
+def _pack_group(value: Any) -> tuple | None:
+    """Which pack a stored leaf joins: replicated jax arrays, by dtype and placement."""
+    if isinstance(value, jax.Array) and value.sharding.is_fully_replicated:
+        return str(value.dtype), value.sharding
+    return None
+
+
+@functools.cache
+def _concat(sharding) -> Any:
+    return jax.jit(lambda *xs: jnp.concatenate([jnp.ravel(x) for x in xs]),
+                   out_shardings=sharding)
+
+
+def _packed_payload(stored: list, layout: list[dict]) -> tuple[dict, list[dict]]:
+    """What orbax saves: packs of replicated leaves (``layout`` entries get ``"pack": [pack,
+    offset]``) and every other leaf by itself. Returns ``(payload, packs)``."""
+    groups: dict = {}
+    for i, value in enumerate(stored):
+        key = _pack_group(value)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    payload, packs = {}, []
+    for (dtype, sharding), idx in groups.items():
+        if len(idx) < 2:
+            continue
+        offset = 0
+        for i in idx:
+            layout[i]["pack"] = [len(packs), offset]
+            offset += int(np.prod(stored[i].shape, dtype=np.int64))
+        payload[f"pack_{len(packs):03d}"] = _concat(sharding)(*[stored[i] for i in idx])
+        packs.append({"dtype": dtype, "size": offset})
+    for i, value in enumerate(stored):
+        if "pack" not in layout[i]:
+            payload[f"leaf_{i:05d}"] = value
+    return payload, packs
+
+
+def _pack_target(pack: dict, targets: list) -> Any:
+    """The restore target of a pack: placed like its leaves' targets when they agree, else a
+    host array (then each piece is placed by itself)."""
+    shardings = {getattr(t, "sharding", None) for t in targets}
+    sharding = shardings.pop() if len(shardings) == 1 else None
+    if sharding is None:
+        return np.zeros((pack["size"],), jnp.dtype(pack["dtype"]))
+    return jax.ShapeDtypeStruct((pack["size"],), jnp.dtype(pack["dtype"]), sharding=sharding)
+
+
+def _unpack(flat: Any, entries: list[dict], targets: list) -> list:
+    """The leaves of a restored pack, each shaped by its layout entry and placed like its
+    target (a host pack gives host pieces, turned into jax arrays for jax targets)."""
+    pieces = []
+    for entry, target in zip(entries, targets):
+        offset, shape = entry["pack"][1], tuple(entry["shape"])
+        size = int(np.prod(shape, dtype=np.int64))
+        piece = flat[offset:offset + size].reshape(shape)
+        sharding = getattr(target, "sharding", None)
+        if sharding is not None and getattr(piece, "sharding", None) != sharding:
+            # a slice of a replicated vector is replicated; this names the target's placement
+            # (e.g. P("data") on a one-device mesh) without moving data
+            piece = jax.device_put(piece, sharding)
+        elif isinstance(piece, np.ndarray) and not isinstance(target, np.ndarray):
+            piece = jnp.asarray(piece)
+        pieces.append(piece)
+    return pieces
+
+
 def _layout(tree: Any) -> tuple[list, list[dict], Any]:
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in flat]
@@ -161,14 +234,14 @@ def save(ckpt_dir: str | os.PathLike, step: int, state: Any, metadata: dict,
 
     meta = to_jsonable(metadata)
     leaves, layout, _ = _layout(state)
-    payload = {f"leaf_{i:05d}": _storable(leaf) for i, leaf in enumerate(leaves)}
+    payload, packs = _packed_payload([_storable(leaf) for leaf in leaves], layout)
     mgr = _manager(ckpt_dir, keep=keep)
     try:
         if step in mgr.all_steps():
             mgr.delete(step)
         mgr.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(payload),
-            layout=ocp.args.JsonSave({"leaves": layout}),
+            layout=ocp.args.JsonSave({"leaves": layout, "packs": packs}),
             metadata=ocp.args.JsonSave(meta),
         ), force=True)
         mgr.wait_until_finished()
@@ -213,14 +286,26 @@ def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple
     mgr = _manager(ckpt_dir, read_only=True)
     try:
         saved = mgr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
-        saved_layout = saved["layout"]["leaves"]
+        saved_layout, packs = saved["layout"]["leaves"], saved["layout"].get("packs", [])
         _check_layout(saved_layout, layout, f"{ckpt_dir}/{step}")
-        payload = {f"leaf_{i:05d}": _restore_target(leaf) for i, leaf in enumerate(leaves)}
+        targets = [_restore_target(leaf) for leaf in leaves]
+        members = [[i for i, e in enumerate(saved_layout) if e.get("pack", [None])[0] == j]
+                   for j in range(len(packs))]
+        payload = {f"leaf_{i:05d}": t for i, (t, e) in enumerate(zip(targets, saved_layout))
+                   if "pack" not in e}
+        for j, (pack, idx) in enumerate(zip(packs, members)):
+            payload[f"pack_{j:03d}"] = _pack_target(pack, [targets[i] for i in idx])
         out = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(payload), metadata=ocp.args.JsonRestore()))
     finally:
         mgr.close()
-    restored = [_rebuild(out["state"][f"leaf_{i:05d}"], leaf, entry)
+    values = {i: out["state"][f"leaf_{i:05d}"] for i, e in enumerate(saved_layout)
+              if "pack" not in e}
+    for j, idx in enumerate(members):
+        pieces = _unpack(out["state"][f"pack_{j:03d}"], [saved_layout[i] for i in idx],
+                         [targets[i] for i in idx])
+        values.update(zip(idx, pieces))
+    restored = [_rebuild(values[i], leaf, entry)
                 for i, (leaf, entry) in enumerate(zip(leaves, saved_layout))]
     return jax.tree_util.tree_unflatten(treedef, restored), out["metadata"]
 
