@@ -11,7 +11,7 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes
   (85 arrays of 15 MB in all took 0.30 s, one array of 15 MB 0.07 s on a 2-core CPU), and the
   agent alone is 62 replicated arrays (on one device the seed config's whole state saves as 5
-  arrays, in 0.10-0.13 s against 0.26-0.44 s; docs/training.md).
+  arrays, in 0.10-0.18 s against 0.26-0.44 s; docs/training.md).
 * ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing
@@ -137,9 +137,16 @@ def _rebuild(value: Any, target: Any, saved: dict) -> Any:
     return value
 
 
+# Larger arrays are saved by themselves: per-array overhead matters little next to their bytes,
+# and packing them would hold a second copy of them on the device while saving.
+PACK_MAX_BYTES = 4 << 20
+
+
 def _pack_group(value: Any) -> tuple | None:
-    """Which pack a stored leaf joins: replicated jax arrays, by dtype and placement."""
-    if isinstance(value, jax.Array) and value.sharding.is_fully_replicated:
+    """Which pack a stored leaf joins: replicated jax arrays up to ``PACK_MAX_BYTES``, by dtype
+    and placement (None: saved by itself)."""
+    if (isinstance(value, jax.Array) and value.sharding.is_fully_replicated
+            and value.nbytes <= PACK_MAX_BYTES):
         return str(value.dtype), value.sharding
     return None
 
