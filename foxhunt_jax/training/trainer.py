@@ -5,9 +5,9 @@ are queued back to back, so each one's launch overlaps the GPU work before it; w
 ``queue_next`` the next epoch's Experience and Training are queued behind them before the
 metrics are read. Phase times (DESIGN 3.11) are measured with ``block_until_ready`` on each
 phase's results: each phase from the previous phase's completion to its own (Experience from
-the call, or from the previous epoch's Validation when that epoch queued it). Init (data, tables, device upload, state) and Compile (ahead-of-time
-``lower().compile()`` of the three phase functions) are reported on the first epoch a process
-runs.
+the call, or from the previous epoch's Validation when that epoch queued it). Init (data,
+tables, device upload, state) and Compile (ahead-of-time ``lower().compile()`` of the three
+phase functions) are reported on the first epoch a process runs.
 
 Data parallelism (DESIGN 3.13, :mod:`foxhunt_jax.parallel`): the state holds ``S =
 train.shards`` shards of episodes (rollout ``[S, N/S, ...]``) and of replay (``[S, C/S, ...]``),
