@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -278,3 +279,20 @@ def test_sharded_state_round_trip_on_two_devices(tmp_path):
     out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_bench_checkpoint_script_times_both_formats(tmp_path):
+    out = tmp_path / "ckpt.json"
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_checkpoint.py"),
+                          "--config", "smoke", "--saves", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["config"] == "smoke" and res["arrays"] > 20 and res["mb"] > 0
+    n = res["arrays"]
+    assert set(res["ms"]) == {"packed", "array_by_array", f"orbax_{n}_arrays_15mb",
+                              f"orbax_{n}_arrays_16b", "orbax_1_array_15mb"}
+    assert len(res["ms"]["packed"]) == len(res["ms"]["array_by_array"]) == 2
+    assert all(t > 0 for ts in res["ms"].values() for t in ts)
+    assert "packed: first" in run.stdout

@@ -9,9 +9,9 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   the same way: dicts, optax states (NamedTuples), ``flax.struct`` dataclasses.
   Replicated jax arrays of one dtype and placement are packed into one vector,
   ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes
-  (85 arrays of 15 MB in all took 0.30 s, one array of 15 MB 0.07 s on a 2-core CPU), and the
+  (86 arrays of 15 MB in all took 248 ms, one array of 15 MB 61 ms on a 2-core CPU), and the
   agent alone is 62 replicated arrays (on one device the seed config's whole state saves as 5
-  arrays, in 0.10-0.18 s against 0.26-0.44 s; docs/training.md).
+  arrays, in 110 ms against 271 ms; ``scripts/bench_checkpoint.py``, docs/training.md).
 * ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing
@@ -296,8 +296,10 @@ def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple
         saved_layout, packs = saved["layout"]["leaves"], saved["layout"].get("packs", [])
         _check_layout(saved_layout, layout, f"{ckpt_dir}/{step}")
         targets = [_restore_target(leaf) for leaf in leaves]
-        members = [[i for i, e in enumerate(saved_layout) if e.get("pack", [None])[0] == j]
-                   for j in range(len(packs))]
+        members = [[] for _ in packs]  # each pack's leaf indices, in the pack's order
+        for i, entry in enumerate(saved_layout):
+            if "pack" in entry:
+                members[entry["pack"][0]].append(i)
         payload = {f"leaf_{i:05d}": t for i, (t, e) in enumerate(zip(targets, saved_layout))
                    if "pack" not in e}
         for j, (pack, idx) in enumerate(zip(packs, members)):
