@@ -23,6 +23,8 @@ default was chosen from, each in the same process so ratios are fair:
   it gives, under each set of XLA flags (``--compile-flag-sets``), each in a fresh process;
 - ``compilesweep``: a second config's compile (another ``network.v_max``) after a first filled the
   cache folder, under each setting of JAX's XLA-side caches (``--xla-cache-settings``);
+- ``compileprofile``: where a cold compile of the three programs spends its time: the
+  profiler's host events summed by name, and XLA's scoped timers from its log;
 - ``kernelcompile``: the cold compile of each rollout kernel alone (collect and evaluate mode, a
   program holding little else), each in a fresh process, to set against the phase programs';
 - ``profile``: the GPU kernels of the trainer's epochs under ``jax.profiler``: per phase the
@@ -62,7 +64,7 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
-            "compilesweep", "kernelcompile", "profile", "launch", "overlap")
+            "compilesweep", "kernelcompile", "compileprofile", "profile", "launch", "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -696,6 +698,71 @@ print(json.dumps({"lower_s": t1 - t0, "compile_s": t2 - t1, "startup_s": startup
 """
 
 
+_COMPILE_PROFILE = """
+import glob, os, re, tempfile
+log = tempfile.NamedTemporaryFile(prefix="foxhunt-vlog-", suffix=".txt", delete=False).name
+fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(fd, 2)  # XLA's timers log to stderr: keep them for the report
+trace = tempfile.mkdtemp(prefix="foxhunt-compile-trace-")
+rows = {}
+popts = jax.profiler.ProfileOptions()
+popts.python_tracer_level = 0  # XLA's and PJRT's own events, not every Python frame
+with jax.profiler.trace(trace, profiler_options=popts):
+    for name, (fn, args) in tr.phase_programs(state).items():
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args)
+        t1 = time.perf_counter()
+        lowered.compile()
+        rows[name] = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+pd = jax.profiler.ProfileData.from_file(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)[0])
+agg = {}
+for plane in pd.planes:
+    if not plane.name.startswith("/host"):
+        continue
+    for line in plane.lines:
+        for e in line.events:
+            if e.duration_ns < opts["min_event_ms"] * 1e6:
+                continue
+            key = re.sub(r"[0-9]+", "#", e.name)[:120]
+            a = agg.setdefault(key, {"count": 0, "total_s": 0.0, "max_s": 0.0, "threads": []})
+            a["count"] += 1
+            a["total_s"] += e.duration_ns / 1e9
+            a["max_s"] = max(a["max_s"], e.duration_ns / 1e9)
+            if line.name not in a["threads"]:
+                a["threads"].append(line.name)
+top = sorted(agg.items(), key=lambda kv: -kv[1]["total_s"])[:opts["top"]]
+timers = [ln.strip()[-240:] for ln in open(log, errors="replace")
+          if " time: " in ln or " took " in ln]
+print(json.dumps({"startup_s": startup, "programs": rows,
+                  "events": [{"name": k, **v, "threads": len(v["threads"])} for k, v in top],
+                  "timers": timers[:opts["top"] * 4]}))
+"""
+
+
+def section_compileprofile(args, out: dict) -> None:
+    """Where a cold compile (no caches, fresh process) of the trainer's three programs spends
+    its time: the host events of ``jax.profiler`` during the sequential lower and compile of
+    each program, summed by name (nested events overlap, so totals do not add up), and XLA's
+    scoped timers (``TF_CPP_VMODULE``) from its log."""
+    left = args._deadline - time.perf_counter()
+    try:
+        res = _child(_COMPILE_PROFILE, args, left, min_event_ms=1.0, top=60,
+                     env={"FOXHUNT_JAX_CACHE": "off", "TF_CPP_MIN_LOG_LEVEL": "0",
+                          "TF_CPP_VMODULE": args.compile_vmodule})
+    except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
+        out["error"] = str(e)
+        print(f"  FAILED {str(e)[-600:]}", flush=True)
+        return
+    out.update(res)
+    print("  " + ", ".join(f"{k} lower {v['lower_s']:.1f} + compile {v['compile_s']:.1f} s"
+                           for k, v in res["programs"].items()), flush=True)
+    for ev in res["events"][:40]:
+        print(f"  {ev['total_s']:8.2f} s total {ev['max_s']:7.2f} s max x{ev['count']:<5d} "
+              f"{ev['threads']:2d} thr  {ev['name'][:90]}", flush=True)
+    for ln in res["timers"][:60]:
+        print(f"  | {ln[-160:]}", flush=True)
+
+
 def section_launch(args, out: dict) -> None:
     """What a program's launch costs the host, by the number of arguments: a jitted program
     adding 1 to every leaf of a pytree of ``n`` small float32 arrays (donated, as the phase
@@ -959,6 +1026,9 @@ def main(argv=None) -> dict:
                          "no_rnd, concat_online (one online forward over s and s')")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
+    ap.add_argument("--compile-vmodule",
+                    default="gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1",
+                    help="TF_CPP_VMODULE of the compileprofile child (XLA's scoped timers)")
     ap.add_argument("--xla-cache-settings", default="default,all",
                     help="values of jax_persistent_cache_enable_xla_caches for compilesweep")
     ap.add_argument("--learner-options", default="",
