@@ -25,6 +25,8 @@ default was chosen from, each in the same process so ratios are fair:
   cache folder, under each setting of JAX's XLA-side caches (``--xla-cache-settings``);
 - ``compileprofile``: where a cold compile of the three programs spends its time: the
   profiler's host events summed by name, and XLA's scoped timers from its log;
+- ``rndcompile``: the cold compile of the curiosity pass and of a predictor update per GEMM
+  precision, each in a fresh process, with the pass's time and error;
 - ``kernelcompile``: the cold compile of each rollout kernel alone (collect and evaluate mode, a
   program holding little else), each in a fresh process, to set against the phase programs';
 - ``profile``: the GPU kernels of the trainer's epochs under ``jax.profiler``: per phase the
@@ -64,7 +66,8 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
-            "compilesweep", "kernelcompile", "compileprofile", "profile", "launch", "overlap")
+            "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
+            "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -270,14 +273,7 @@ def section_rnd(args, out: dict) -> None:
                                                            "bias": jax.random.key(i + 9)}
                                                        for i, n in enumerate(
                                                            ("hidden_0", "hidden_1", "out"))}})
-    variants = {"f32_highest": (jax.lax.Precision.HIGHEST, jnp.float32),
-                "f32_default": (jax.lax.Precision.DEFAULT, jnp.float32),
-                "bf16": (None, jnp.bfloat16)}
-    preset = getattr(jax.lax, "DotAlgorithmPreset", None)
-    if preset is not None and jax.default_backend() == "gpu":
-        variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
-        variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
-        variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
+    variants = _rnd_precisions()
     if args.rnd_variants:
         variants = {k: v for k, v in variants.items() if k in args.rnd_variants.split(",")}
     xs = np.asarray(x[:4096], np.float64)
@@ -761,6 +757,87 @@ def section_compileprofile(args, out: dict) -> None:
               f"{ev['threads']:2d} thr  {ev['name'][:90]}", flush=True)
     for ln in res["timers"][:60]:
         print(f"  | {ln[-160:]}", flush=True)
+
+
+_RND_COMPILE = """
+import numpy as np
+import jax.numpy as jnp
+sys.path.insert(0, opts["scripts"])
+from explore_gpu import _rnd_forward, _rnd_forward64, _rnd_precisions
+from foxhunt_jax.agent import curiosity
+from foxhunt_jax.config import CuriosityConfig
+rnd = curiosity.init(jax.random.key(0), opts["dim"], CuriosityConfig())
+prec, dt = _rnd_precisions()[opts["variant"]]
+def err(pred, tgt, obs, scale):
+    x = obs * scale  # a producer XLA can fuse into the first GEMM, as in the phase programs
+    return jnp.sum(jnp.square(_rnd_forward(pred, x, prec, dt) - _rnd_forward(tgt, x, prec, dt)),
+                   axis=-1)
+def step(pred, tgt, obs, scale):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean(err(p, tgt, obs, scale)))(pred)
+    return jax.tree.map(lambda a, b: a - 1e-4 * b, pred, g), loss
+obs = jax.random.normal(jax.random.key(1), (opts["rows"], opts["dim"]), jnp.float32)
+batch = obs[:opts["batch"]]
+one = jnp.float32(1.0)
+res = {"startup_s": startup}
+for name, fn, a in (("pass", err, obs), ("update", step, batch)):
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(rnd.predictor_params, rnd.target_params, a, one).compile()
+    res[f"{name}_compile_s"] = time.perf_counter() - t0
+    ms = []
+    for i in range(opts["reps"] + 1):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(rnd.predictor_params, rnd.target_params, a, one))
+        ms.append((time.perf_counter() - t0) * 1e3)
+    res[f"{name}_ms"] = statistics.median(ms[1:])
+xs = np.asarray(obs[:4096], np.float64)
+ref = np.sum(np.square(_rnd_forward64(rnd.predictor_params, xs)
+                       - _rnd_forward64(rnd.target_params, xs)), axis=-1)
+got = np.asarray(jax.jit(err)(rnd.predictor_params, rnd.target_params, obs[:4096], one))
+res["max_rel_err_fresh"] = float(np.max(np.abs(got - ref) / ref))
+print(json.dumps(res))
+"""
+
+
+def _rnd_precisions() -> dict:
+    """The curiosity pass's candidate GEMM precisions: name -> (precision, input dtype)."""
+    variants = {"f32_highest": (jax.lax.Precision.HIGHEST, jnp.float32),
+                "f32_default": (jax.lax.Precision.DEFAULT, jnp.float32),
+                "bf16": (None, jnp.bfloat16)}
+    preset = getattr(jax.lax, "DotAlgorithmPreset", None)
+    if preset is not None and jax.default_backend() == "gpu":
+        variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
+        variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
+        variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
+        variants["f32_preset"] = (preset.F32_F32_F32, jnp.float32)
+    return variants
+
+
+def section_rndcompile(args, out: dict) -> None:
+    """The cold compile (no caches, a fresh process each) of the curiosity pass at the seed's
+    102,400 experience rows and of a predictor update at batch 64, per GEMM precision, with
+    the pass's time and its error against float64: which precision's GEMM autotuning makes the
+    experience program's compile slow."""
+    names = (args.rnd_variants.split(",") if args.rnd_variants
+             else [k for k in _rnd_precisions() if k != "f32_default"])
+    out["rows"] = []
+    for name in names:
+        left = args._deadline - time.perf_counter()
+        if left < 20:
+            out.setdefault("skipped", []).append(name)
+            continue
+        row = {"variant": name}
+        try:
+            row.update(_child(_RND_COMPILE, args, left, variant=name, dim=args.obs_dim,
+                              rows=args.prio_rows, batch=64, reps=args.reps,
+                              scripts=str(Path(__file__).resolve().parent),
+                              env={"FOXHUNT_JAX_CACHE": "off"}))
+            print(f"  rnd {name}: pass compile {row['pass_compile_s']:.2f} s, "
+                  f"{row['pass_ms']:.3f} ms; update compile {row['update_compile_s']:.2f} s, "
+                  f"{row['update_ms']:.3f} ms; rel err {row['max_rel_err_fresh']:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
+            row["error"] = str(e)[-600:]
+            print(f"  rnd {name}: FAILED {row['error']}", flush=True)
+        out["rows"].append(row)
 
 
 def section_launch(args, out: dict) -> None:
