@@ -133,7 +133,7 @@ def test_roofline_from_measured_rates():
     cfg = load_config("seed")
     q_flops, d = 521_000, 40
     res = {"forward": {"obs_dim": d, "flops_per_row": q_flops},
-           "device": {"gemm": {"bf16": {"tflops": 500.0}, "f32_highest": {"tflops": 40.0}},
+           "device": {"gemm": {"bf16": {"tflops": 500.0}, "f32_bf16x6": {"tflops": 40.0}},
                       "copy": {"gb_per_s": 3000.0}}}
     roof = bench.roofline(res, args)
     h, e = cfg.curiosity.hidden, cfg.curiosity.embed

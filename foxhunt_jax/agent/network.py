@@ -29,6 +29,14 @@ from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The algorithm of every float32 GEMM (the Q-network's float32 layers, the RND networks): each
+# f32 operand split into three bf16 parts and multiplied on tensor cores as six bf16 products
+# with f32 accumulation. It is as accurate against float64 as true f32 products (Precision
+# HIGHEST) and, on an H200, faster to run and about 3x faster to compile, since XLA's autotuner
+# no longer compiles f32 FMA GEMM tilings (BENCHMARKS.md, session 8). XLA's default f32
+# algorithm on Ampere+ GPUs would be TF32 (10-bit mantissa) instead. The CPU computes it as
+# plain f32 products.
+F32_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 
 
 class _Dense(nn.Module):
@@ -36,7 +44,8 @@ class _Dense(nn.Module):
 
     The matrix inputs (activations and kernel) are cast to ``compute_dtype`` and the product
     accumulates in float32 (``preferred_element_type``); the bias is added in float32. With
-    ``compute_dtype=float32`` this is an ordinary f32 Dense layer with full f32 products.
+    ``compute_dtype=float32`` this is an ordinary f32 Dense layer with f32-accurate products
+    (:data:`F32_PRECISION`).
     The parameter names (``kernel [in, out]``, ``bias [out]``) and initializers match
     ``flax.linen.Dense``.
     """
@@ -49,9 +58,8 @@ class _Dense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                             jnp.float32)
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
-        # float32 means true float32 products: without HIGHEST, XLA on Ampere+ GPUs would use
-        # TF32 (10-bit mantissa) and the f32 path would no longer match its float64 reference.
-        precision = jax.lax.Precision.HIGHEST if self.compute_dtype == jnp.float32 else None
+        # float32 means f32-accurate products (F32_PRECISION), not TF32
+        precision = F32_PRECISION if self.compute_dtype == jnp.float32 else None
         y = jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
                     precision=precision, preferred_element_type=jnp.float32)
         return y + bias
