@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent import curiosity
+from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
 from foxhunt_jax.config import CuriosityConfig
 
 CFG = CuriosityConfig(coef=0.3, hidden=32, embed=8, learning_rate=1e-3)
@@ -59,6 +60,17 @@ def test_prediction_error_and_bonus_match_numpy():
     bonus = curiosity.intrinsic_reward(state, jnp.asarray(obs))
     np.testing.assert_allclose(np.asarray(bonus, np.float64),
                                CFG.coef * ref / np.sqrt(np.var(seen) + 1e-8), rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [F32_PRECISION_MIN_ROWS - 1, F32_PRECISION_MIN_ROWS])
+def test_prediction_error_matches_numpy_on_both_f32_algorithms(rows):
+    """The RND GEMMs switch algorithm at F32_PRECISION_MIN_ROWS rows (on a GPU): the raw
+    novelty stays within 1e-5 of float64 on both sides, for a fresh predictor."""
+    rng = np.random.default_rng(rows)
+    state = curiosity.init(jax.random.key(rows), D, CFG)
+    obs = rng.standard_normal((rows, D)).astype(np.float32)
+    raw = curiosity.prediction_error(state, jnp.asarray(obs))
+    np.testing.assert_allclose(np.asarray(raw, np.float64), np_raw(state, obs), rtol=1e-5)
 
 
 def test_coef_zero_reward_is_exactly_extrinsic():

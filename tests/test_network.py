@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.network import (
+    F32_PRECISION,
+    F32_PRECISION_MIN_ROWS,
     QNetwork,
     expected_q,
     flatten_params,
+    f32_precision,
     greedy_actions,
     make_network,
     param_count,
@@ -115,6 +118,24 @@ def test_shapes_dtypes_and_numpy_reference(rng, branches):
     for a, b, c in zip(logits, lead, single):
         np.testing.assert_allclose(np.asarray(b).reshape(a.shape), a, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(c, a[5], rtol=1e-6, atol=1e-6)
+
+
+def test_f32_algorithm_switch_keeps_float64_accuracy(rng):
+    """Below F32_PRECISION_MIN_ROWS rows the float32 GEMMs run as HIGHEST, from it as bf16x6
+    (on a GPU; the CPU computes both as f32): both sides match float64 to 1e-5 (relative to the
+    largest logit), and the rows of one call do not depend on the others beyond rounding."""
+    assert f32_precision(F32_PRECISION_MIN_ROWS - 1) == jax.lax.Precision.HIGHEST
+    assert f32_precision(F32_PRECISION_MIN_ROWS) == F32_PRECISION
+    net, params = _init(rng)
+    obs = rng.normal(size=(F32_PRECISION_MIN_ROWS, D)).astype(np.float32)
+    _, ref = _np_forward(params, obs, DEFAULT_BRANCHES, 2, 11)
+    many = _apply(net)(params, obs)
+    few = _apply(net)(params, obs[:F32_PRECISION_MIN_ROWS - 1])
+    for big, small, r in zip(many, few, ref):
+        chex.assert_type([big, small], jnp.float32)
+        assert _rel_err(big, r) < 1e-5, f"relative error {_rel_err(big, r)} at many rows"
+        assert _rel_err(small, r[:-1]) < 1e-5, f"relative error {_rel_err(small, r[:-1])}"
+        np.testing.assert_allclose(big[:-1], small, rtol=0, atol=2e-5 * np.max(np.abs(r)))
 
 
 def test_layer_names_and_tensor_count(rng):

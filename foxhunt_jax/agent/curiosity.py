@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from foxhunt_jax.agent.network import F32_PRECISION, init_params
+from foxhunt_jax.agent.network import Dense, init_params
 from foxhunt_jax.config import CuriosityConfig
 
 _VAR_EPS = 1e-8  # keeps the normaliser finite when every raw error seen so far is equal
@@ -48,7 +48,7 @@ class RNDNetwork(nn.Module):
         # f32-accurate products (no TF32 on GPUs): late in a run the novelty is a small
         # difference of two embeddings, which TF32 or bf16 get wrong by 8% to 117%
         # (BENCHMARKS.md, session 3)
-        dense = lambda n, name: nn.Dense(n, precision=F32_PRECISION, name=name)
+        dense = lambda n, name: Dense(n, jnp.float32, name=name)
         x = nn.relu(dense(self.hidden, "hidden_0")(x))
         x = nn.relu(dense(self.hidden, "hidden_1")(x))
         return dense(self.embed, "out")(x)

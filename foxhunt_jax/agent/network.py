@@ -17,6 +17,7 @@ Shapes: ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,23 +30,31 @@ from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# The algorithm of every float32 GEMM (the Q-network's float32 layers, the RND networks): each
-# f32 operand split into three bf16 parts and multiplied on tensor cores as six bf16 products
-# with f32 accumulation. It is as accurate against float64 as true f32 products (Precision
-# HIGHEST) and, on an H200, faster to run and about 3x faster to compile, since XLA's autotuner
-# no longer compiles f32 FMA GEMM tilings (BENCHMARKS.md, session 8). XLA's default f32
-# algorithm on Ampere+ GPUs would be TF32 (10-bit mantissa) instead. The CPU computes it as
-# plain f32 products.
+# f32-accurate GEMMs without TF32 (XLA's default f32 algorithm on Ampere+ GPUs keeps 10 mantissa
+# bits). F32_PRECISION splits each f32 operand into three bf16 parts and multiplies them on
+# tensor cores as six bf16 products with f32 accumulation: as accurate against float64 as true
+# f32 products (Precision.HIGHEST), faster on an H200 from about a thousand rows, and about 3x
+# faster to compile, since XLA's autotuner no longer compiles f32 FMA GEMM tilings. At a few
+# dozen rows (a learner batch, the validation windows) its extra products make it slower, so
+# those GEMMs keep HIGHEST (BENCHMARKS.md, session 8). The CPU computes both as plain f32.
+# Every float32 GEMM of the library's networks (Q and RND) goes through Dense and this rule.
 F32_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+F32_PRECISION_MIN_ROWS = 1024
 
 
-class _Dense(nn.Module):
+def f32_precision(rows: int):
+    """The algorithm of a float32 GEMM of ``rows`` rows (static): :data:`F32_PRECISION` from
+    :data:`F32_PRECISION_MIN_ROWS` rows, ``Precision.HIGHEST`` below."""
+    return F32_PRECISION if rows >= F32_PRECISION_MIN_ROWS else jax.lax.Precision.HIGHEST
+
+
+class Dense(nn.Module):
     """Affine layer with float32 parameters and a chosen GEMM input dtype.
 
     The matrix inputs (activations and kernel) are cast to ``compute_dtype`` and the product
     accumulates in float32 (``preferred_element_type``); the bias is added in float32. With
     ``compute_dtype=float32`` this is an ordinary f32 Dense layer with f32-accurate products
-    (:data:`F32_PRECISION`).
+    (:func:`f32_precision`).
     The parameter names (``kernel [in, out]``, ``bias [out]``) and initializers match
     ``flax.linen.Dense``.
     """
@@ -58,8 +67,10 @@ class _Dense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                             jnp.float32)
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
-        # float32 means f32-accurate products (F32_PRECISION), not TF32
-        precision = F32_PRECISION if self.compute_dtype == jnp.float32 else None
+        # float32 means f32-accurate products (f32_precision), not TF32; under vmap the rows
+        # seen here are one example's
+        rows = math.prod(x.shape[:-1])
+        precision = f32_precision(rows) if self.compute_dtype == jnp.float32 else None
         y = jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
                     precision=precision, preferred_element_type=jnp.float32)
         return y + bias
@@ -92,15 +103,15 @@ class QNetwork(nn.Module):
         cd = _COMPUTE_DTYPES[self.dtype]
         h = jnp.asarray(obs, jnp.float32)
         for i, width in enumerate(self.trunk):
-            h = nn.relu(_Dense(width, cd, name=f"trunk_{i}")(h))
+            h = nn.relu(Dense(width, cd, name=f"trunk_{i}")(h))
 
-        v = nn.relu(_Dense(self.head, cd, name="value_hidden")(h))
-        v = _Dense(self.atoms, cd, name="value_out")(v)  # [..., K]
+        v = nn.relu(Dense(self.head, cd, name="value_hidden")(h))
+        v = Dense(self.atoms, cd, name="value_out")(v)  # [..., K]
 
         out = []
         for d, n_d in enumerate(self.branch_sizes):
-            a = nn.relu(_Dense(self.head, cd, name=f"adv{d}_hidden")(h))
-            a = _Dense(n_d * self.atoms, cd, name=f"adv{d}_out")(a)
+            a = nn.relu(Dense(self.head, cd, name=f"adv{d}_hidden")(h))
+            a = Dense(n_d * self.atoms, cd, name=f"adv{d}_out")(a)
             a = a.reshape(a.shape[:-1] + (n_d, self.atoms))  # [..., n_d, K]
             # Subtracting the mean advantage makes V identifiable: mean_a logits_d == V.
             out.append(v[..., None, :] + a - jnp.mean(a, axis=-2, keepdims=True))
@@ -257,6 +268,7 @@ def param_count(params: Any) -> int:
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
 
 
-__all__ = ["QNetwork", "make_network", "init_params", "support", "expected_q", "greedy_actions",
+__all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "f32_precision",
+           "make_network", "init_params", "support", "expected_q", "greedy_actions",
            "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
            "flatten_params", "param_count"]
