@@ -320,55 +320,6 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
-def _flat_variant(learner, agent):
-    """A candidate learner step with the online and target parameters as flat vectors.
-
-    Returns ``(agent, step)``: the agent as ``{params, target, opt, rnd, step}`` (both networks
-    raveled, the optimizer chain on the vector without ``optax.flatten``, a hard target update)
-    and ``step(learner, decode, agent, buffer, key, beta) -> (agent, buffer, metrics)`` in
-    :func:`~foxhunt_jax.agent.learner.learner_step`'s form (sharded buffer). Measured against
-    the library's step before a state layout change (BENCHMARKS.md, session 7).
-    """
-    from jax.flatten_util import ravel_pytree
-
-    from foxhunt_jax.agent import curiosity, learner as learner_mod, replay
-
-    flat, unravel = ravel_pytree(agent.params)
-    t = learner.train_cfg
-    opt = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                      optax.adam(t.learning_rate, eps=t.adam_eps))
-    fagent = {"params": flat, "target": ravel_pytree(agent.target_params)[0],
-              "opt": opt.init(flat), "rnd": agent.rnd, "step": agent.step}
-
-    def step(learner, decode, fa, buffer, key, beta):
-        r, m = learner.replay_cfg, learner.train_cfg.batch_size
-        items, indices, weights = replay.sample_shards(buffer, key, m, beta)
-        rows = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
-        items, weights = jax.tree.map(rows, items), rows(weights)
-        obs, next_obs = decode(items)
-        target = unravel(fa["target"])
-
-        def loss_fn(p):
-            losses = learner_mod.per_sample_loss(learner, unravel(p), target, obs, next_obs,
-                                                 items["action"], items["reward"],
-                                                 items["discount"])
-            return jnp.mean(weights * losses), losses
-
-        (loss, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(fa["params"])
-        updates, opt_state = opt.update(grads, fa["opt"], fa["params"])
-        params = fa["params"] + updates
-        n = fa["step"] + 1
-        new_target = jnp.where(n % t.target_period == 0, params, fa["target"])
-        rnd = fa["rnd"]
-        if rnd is not None:
-            rnd, _ = curiosity.update(rnd, next_obs)
-        buffer = replay.update_priorities_shards(buffer, indices, losses.reshape(indices.shape),
-                                                 r.alpha, r.priority_eps)
-        return ({"params": params, "target": new_target, "opt": opt_state, "rnd": rnd,
-                 "step": n}, buffer, {"loss": loss})
-    return fagent, step
-
-
 def _options(variant: str) -> dict:
     """XLA compile options of a learner variant ``xla:name=value,name=value``, else none."""
     if not variant.startswith("xla:"):
@@ -411,7 +362,6 @@ def section_learner(args, out: dict) -> None:
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
                    "unroll": unroll, "variant": variant}
             learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
-            step_fn = learner_step
             if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
                 t = s.cfg.train
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -422,13 +372,11 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 loss = _concat_online_loss
-            elif variant == "flat":  # both networks' parameters as flat vectors
-                agent, step_fn = _flat_variant(learner, agent)
             try:
-                def steps(agent, buf, key, _u=unroll, _l=learner, _step=step_fn):
+                def steps(agent, buf, key, _u=unroll, _l=learner):
                     def body(c, kk):
                         a, b = c
-                        a, b, m = _step(_l, decode, a, b, kk, jnp.float32(0.5))
+                        a, b, m = learner_step(_l, decode, a, b, kk, jnp.float32(0.5))
                         return (a, b), m["loss"]
                     (a, b), ls = jax.lax.scan(body, (agent, buf), jax.random.split(key, k),
                                               unroll=_u)
@@ -457,10 +405,10 @@ def section_learner(args, out: dict) -> None:
                 row["us_per_step"] = row["ms"] * 1e3 / k
                 # same inputs and key as the first variant: how far its parameters end up
                 params = compiled(agent, state.buffer, jax.random.key(2))[0]
-                params = jax.device_get(params["params"] if variant == "flat" else params.params)
+                params = jax.device_get(params.params)
                 if base_params is None:
                     base_params = params
-                elif variant != "base" and (variant.startswith("xla:") or variant == "flat"):
+                elif variant.startswith("xla:"):
                     # raveled in the pytree's leaf order, as ravel_pytree does
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
