@@ -33,10 +33,11 @@ _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # f32-accurate GEMMs without TF32 (XLA's default f32 algorithm on Ampere+ GPUs keeps 10 mantissa
 # bits). F32_PRECISION splits each f32 operand into three bf16 parts and multiplies them on
 # tensor cores as six bf16 products with f32 accumulation: as accurate against float64 as true
-# f32 products (Precision.HIGHEST), faster on an H200 from about a thousand rows, and about 3x
-# faster to compile, since XLA's autotuner no longer compiles f32 FMA GEMM tilings. At a few
-# dozen rows (a learner batch, the validation windows) its extra products make it slower, so
-# those GEMMs keep HIGHEST (BENCHMARKS.md, session 8). The CPU computes both as plain f32.
+# f32 products (Precision.HIGHEST), faster on an H200 from about a thousand rows, and faster to
+# compile (2.8x for the curiosity pass), since XLA's autotuner no longer compiles f32 FMA GEMM
+# tilings. At a few dozen rows (a learner batch, the validation windows) its extra products make
+# it slower, so those GEMMs keep HIGHEST (BENCHMARKS.md, session 8). The CPU computes both as
+# plain f32.
 # Every float32 GEMM of the library's networks (Q and RND) goes through Dense and this rule.
 F32_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 F32_PRECISION_MIN_ROWS = 1024
