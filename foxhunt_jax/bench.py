@@ -5,11 +5,15 @@ Sections (``--sections``, all by default, run in this order), over the backends 
 
 - ``seed``: the seed workload (``--config``, default ``configs/seed.yaml``) through the public
   :class:`~foxhunt_jax.training.trainer.Trainer` API: per-phase times of ``--epochs`` epochs
-  after ``--warmup`` (median, quartiles, min, max). It runs first, so its compile is the cold
-  one (an empty persistent compilation cache, which it fills).
-- ``compile``: the whole epoch compiled again in a fresh process from that cache.
+  after ``--warmup`` (median, quartiles, min, max), and each variant's compile in this process
+  (the first with an empty cache; later ones reuse what earlier ones compiled, such as XLA's
+  autotuning results).
+- ``compile``: the whole epoch's compile per variant in fresh processes: cold (an empty cache
+  folder of its own), then from the caches it filled (JAX's persistent cache; the executable
+  cache).
 - ``device``: the ceilings measured here: GEMM rate (bf16; f32 as the library runs it, bf16x6,
-  ``network.F32_PRECISION``; f32 with ``Precision.HIGHEST``; default f32), device-to-device copy bandwidth, and the cost of one ``lax.scan`` iteration
+  ``network.F32_PRECISION``; f32 with ``Precision.HIGHEST``; default f32), device-to-device
+  copy bandwidth, and the cost of one ``lax.scan`` iteration
   (plain, and with XLA's command buffers, i.e. CUDA graphs, for the while loop).
 - ``forward``: the collection/inference Q-forward (:func:`foxhunt_jax.agent.network.q_forward`)
   alone at ``--forward-n`` rows: time, rows/s, achieved FLOP/s, and equality of the Pallas
@@ -56,7 +60,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-# in this order: the seed section compiles first in a fresh process (its compile is the cold one)
+# in this order: the seed section compiles first, in this process
 SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "cmdbuf")
 # pallas:float32 is refused by the config (its kernel lost to XLA, BENCHMARKS.md); the forward
 # section still times the float32 kernel itself
@@ -530,32 +534,32 @@ def _report_child(name: str, res: dict) -> None:
         print(f"  {name}: FAILED {res['error'][-300:]}", flush=True)
 
 
-def section_compile(args, out: dict, deadline: Deadline, cache: str, seed_rows: list) -> None:
-    """Whole-epoch compile: cold (the seed section's, in this process, with empty caches that it
-    fills) and from those caches in fresh processes: JAX's persistent cache alone, and with
-    the executable cache (:mod:`foxhunt_jax.jitcache`)."""
+def section_compile(args, out: dict, deadline: Deadline) -> None:
+    """Whole-epoch compile, per variant in fresh processes: cold (a cache folder of its own,
+    empty, so no variant reuses another's programs or autotuning results), then from the caches
+    that cold process filled: JAX's persistent cache alone, and with the executable cache
+    (:mod:`foxhunt_jax.jitcache`)."""
     variants = args.compile_variants or args.variants
-    done = {(r["backend"], r["dtype"]) for r in seed_rows if "compile_ms" in r}
-    if not set(variants) <= done:  # the seed section did not fill the cache: a cold child does
-        res = _run_child(_child_cmd(args, variants, Path(cache) / "cold.json", 0),
-                         _child_env(FOXHUNT_JAX_CACHE=cache), deadline.left() - 10)
-        out["cold"] = res
-        _report_child("cold", res)
-    else:
-        out["cold"] = {"source": "seed section (this process, empty cache)",
-                       "rows": [{k: r[k] for k in ("backend", "dtype", "compile_ms", "init_ms")}
-                                for r in seed_rows if (r["backend"], r["dtype"]) in variants]}
-    # from the cache: JAX's persistent cache alone (trace, lower, load XLA's output), then with
-    # the executable cache too (load the three programs)
-    for name, extra in (("cached_xla_only", {"FOXHUNT_JAX_EXECUTABLE_CACHE": "off"}),
-                        ("cached", {})):
-        if not deadline.ok(20):
-            out[name] = {"skipped": "time budget"}
-            continue
-        res = _run_child(_child_cmd(args, variants, Path(cache) / f"{name}.json", 0),
-                         _child_env(FOXHUNT_JAX_CACHE=cache, **extra), deadline.left() - 10)
-        out[name] = res
-        _report_child(name, res)
+    steps = (("cold", {}), ("cached_xla_only", {"FOXHUNT_JAX_EXECUTABLE_CACHE": "off"}),
+             ("cached", {}))
+    for name, _ in steps:
+        out[name] = {"rows": []}
+    out["cold"]["source"] = "a fresh process per variant with an empty cache folder"
+    for variant in variants:
+        label = "{}/{}".format(*variant)
+        with tempfile.TemporaryDirectory(prefix="foxhunt-bench-compile-") as cache:
+            for name, extra in steps:
+                if not deadline.ok(20):
+                    out[name].setdefault("skipped", []).append(label)
+                    break
+                res = _run_child(_child_cmd(args, [variant], Path(cache) / f"{name}.json", 0),
+                                 _child_env(FOXHUNT_JAX_CACHE=cache, **extra),
+                                 deadline.left() - 10)
+                _report_child(name, res)
+                if "error" in res:
+                    out[name]["error"] = f"{label}: {res['error']}"
+                    break  # the next step would read a cache this one did not fill
+                out[name]["rows"] += res.get("rows", [])
 
 
 def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:
@@ -938,7 +942,8 @@ def tables(res: dict) -> str:
     comp = res.get("compile", {})
     if comp.get("cold", {}).get("rows"):
         lines += ["", "Whole-epoch compile (the three phase programs) and the state-init program, s:"
-                      " cold = empty caches; then a fresh process with JAX's persistent cache"
+                      " cold = a fresh process per variant with empty caches; then fresh processes"
+                      " with the caches it filled: JAX's persistent cache"
                       " only (XLA cache) and with the executable cache too (loaded: programs"
                       " it served)",
                   "| variant | cold compile | cold init | XLA cache compile | executable cache"
@@ -1133,8 +1138,8 @@ def run(args, argv=None) -> dict:
     if unknown:
         raise SystemExit(f"error: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
     deadline = Deadline(args.time_budget)
-    # In-process compiles are cold: a fresh persistent cache that only this run writes (the
-    # compile section's children measure loading from a cache of their own).
+    # In-process compiles start from a fresh persistent cache that only this run writes (the
+    # compile section's children use cache folders of their own).
     tmp_cache = tempfile.mkdtemp(prefix="foxhunt-bench-main-")
     enable_compilation_cache(tmp_cache)
     d = jax.devices()[0]
@@ -1172,8 +1177,7 @@ def run(args, argv=None) -> dict:
             elif name == "seed":
                 section_seed(args, out, deadline, market)
             elif name == "compile":
-                section_compile(args, out, deadline, tmp_cache,
-                                res.get("seed", {}).get("rows", []))
+                section_compile(args, out, deadline)
             elif name == "cmdbuf":
                 section_cmdbuf(args, out, deadline)
             elif name == "collect":
