@@ -167,6 +167,29 @@ def test_argument_parsing_and_cli_entry():
         bench.main(["--quick", "--sections", "gpu"])
 
 
+def test_explore_compile_diagnostics_quick(tmp_path):
+    """explore_gpu's compile diagnostics on tiny sizes, each in fresh processes: the profile of
+    a cold compile names XLA's passes and times all three programs, and the curiosity pass's
+    compile per precision reports times and an error against float64."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "explore_gpu", Path(__file__).resolve().parent.parent / "scripts" / "explore_gpu.py")
+    explore = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(explore)
+    res = explore.main(["--quick", "--sections", "compileprofile,rndcompile", "--rnd-variants",
+                        "f32_highest", "--json", str(tmp_path / "explore.json")])
+    prof = res["compileprofile"]
+    assert "error" not in prof, prof.get("error")
+    assert set(prof["programs"]) == {"experience", "training", "validation"}
+    assert all(v["compile_s"] > 0 and v["lower_s"] > 0 for v in prof["programs"].values())
+    assert prof["events"] and all(e["total_s"] >= e["max_s"] > 0 for e in prof["events"])
+    [row] = res["rndcompile"]["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["pass_compile_s"] > 0 and row["update_compile_s"] > 0 and row["pass_ms"] > 0
+    assert row["max_rel_err_fresh"] < 1e-5
+
+
 def test_explore_script_quick_run_writes_every_section(tmp_path):
     """scripts/explore_gpu.py (the side-by-side GPU variants) on tiny sizes: every row it
     produces is a finite time, none failed."""
