@@ -226,16 +226,17 @@ def section_device(args, out: dict, deadline: Deadline) -> None:
     import jax
     import jax.numpy as jnp
 
+    from foxhunt_jax.agent.network import F32_PRECISION
+
     n = 512 if args.quick else 8192
     reps = 3 if args.quick else 10
     key = jax.random.key(0)
     a = jax.random.normal(key, (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    from foxhunt_jax.agent.network import F32_PRECISION
-
     gemm = {}
-    # f32_bf16x6 is the library's float32 GEMM algorithm (network.F32_PRECISION)
-    for name, dt, prec in (("bf16", jnp.bfloat16, None), ("f32_bf16x6", jnp.float32, F32_PRECISION),
+    # f32_bf16x6: the library's float32 GEMM algorithm from 1,024 rows (network.F32_PRECISION)
+    for name, dt, prec in (("bf16", jnp.bfloat16, None),
+                           ("f32_bf16x6", jnp.float32, F32_PRECISION),
                            ("f32_highest", jnp.float32, "highest"),
                            ("f32_default", jnp.float32, None)):
         f = jax.jit(lambda x, y, _d=dt, _p=prec: jnp.dot(x.astype(_d), y.astype(_d), precision=_p,
@@ -916,8 +917,9 @@ def tables(res: dict) -> str:
     if "gemm" in dev:
         g = dev["gemm"]
         lines.append(f"GEMM TFLOP/s: bf16 {g['bf16']['tflops']:.1f}, f32 as bf16x6 "
-                     f"{g['f32_bf16x6']['tflops']:.1f}, f32 HIGHEST {g['f32_highest']['tflops']:.1f}"
-                     f", f32 default {g['f32_default']['tflops']:.1f}"
+                     f"{g['f32_bf16x6']['tflops']:.1f}, f32 HIGHEST "
+                     f"{g['f32_highest']['tflops']:.1f}, f32 default "
+                     f"{g['f32_default']['tflops']:.1f}"
                      f"; copy {dev['copy']['gb_per_s']:.0f} GB/s (read+write)")
         sc = dev.get("scan", {})
         lines.append("lax.scan iteration: " + ", ".join(
