@@ -258,6 +258,20 @@ def _rnd_forward64(params, x):
     return x
 
 
+def _rnd_precisions() -> dict:
+    """The curiosity pass's candidate GEMM precisions: name -> (precision, input dtype)."""
+    variants = {"f32_highest": (jax.lax.Precision.HIGHEST, jnp.float32),
+                "f32_default": (jax.lax.Precision.DEFAULT, jnp.float32),
+                "bf16": (None, jnp.bfloat16)}
+    preset = getattr(jax.lax, "DotAlgorithmPreset", None)
+    if preset is not None and jax.default_backend() == "gpu":
+        variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
+        variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
+        variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
+        variants["f32_preset"] = (preset.F32_F32_F32, jnp.float32)
+    return variants
+
+
 def section_rnd(args, out: dict) -> None:
     """Raw novelty of 2^22 observations per GEMM precision: time and error against float64."""
     from foxhunt_jax.agent import curiosity
@@ -744,20 +758,6 @@ got = np.asarray(jax.jit(err)(rnd.predictor_params, rnd.target_params, obs[:4096
 res["max_rel_err_fresh"] = float(np.max(np.abs(got - ref) / ref))
 print(json.dumps(res))
 """
-
-
-def _rnd_precisions() -> dict:
-    """The curiosity pass's candidate GEMM precisions: name -> (precision, input dtype)."""
-    variants = {"f32_highest": (jax.lax.Precision.HIGHEST, jnp.float32),
-                "f32_default": (jax.lax.Precision.DEFAULT, jnp.float32),
-                "bf16": (None, jnp.bfloat16)}
-    preset = getattr(jax.lax, "DotAlgorithmPreset", None)
-    if preset is not None and jax.default_backend() == "gpu":
-        variants["bf16x3"] = (preset.BF16_BF16_F32_X3, jnp.float32)
-        variants["bf16x6"] = (preset.BF16_BF16_F32_X6, jnp.float32)
-        variants["tf32x3"] = (preset.TF32_TF32_F32_X3, jnp.float32)
-        variants["f32_preset"] = (preset.F32_F32_F32, jnp.float32)
-    return variants
 
 
 def section_rndcompile(args, out: dict) -> None:

@@ -167,16 +167,22 @@ def test_argument_parsing_and_cli_entry():
         bench.main(["--quick", "--sections", "gpu"])
 
 
-def test_explore_compile_diagnostics_quick(tmp_path):
-    """explore_gpu's compile diagnostics on tiny sizes, each in fresh processes: the profile of
-    a cold compile names XLA's passes and times all three programs, and the curiosity pass's
-    compile per precision reports times and an error against float64."""
+def _explore_module():
+    """scripts/explore_gpu.py as a module (scripts/ is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "explore_gpu", Path(__file__).resolve().parent.parent / "scripts" / "explore_gpu.py")
     explore = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(explore)
+    return explore
+
+
+def test_explore_compile_diagnostics_quick(tmp_path):
+    """explore_gpu's compile diagnostics on tiny sizes, each in fresh processes: the profile of
+    a cold compile names XLA's passes and times all three programs, and the curiosity pass's
+    compile per precision reports times and an error against float64."""
+    explore = _explore_module()
     res = explore.main(["--quick", "--sections", "compileprofile,rndcompile", "--rnd-variants",
                         "f32_highest", "--json", str(tmp_path / "explore.json")])
     prof = res["compileprofile"]
@@ -193,12 +199,7 @@ def test_explore_compile_diagnostics_quick(tmp_path):
 def test_explore_script_quick_run_writes_every_section(tmp_path):
     """scripts/explore_gpu.py (the side-by-side GPU variants) on tiny sizes: every row it
     produces is a finite time, none failed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "explore_gpu", Path(__file__).resolve().parent.parent / "scripts" / "explore_gpu.py")
-    explore = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(explore)
+    explore = _explore_module()
     out = tmp_path / "explore.json"
     res = explore.main(["--quick", "--sections", "rollout,forward,rnd,learner,launch", "--json",
                         str(out), "--unrolls", "1", "--learner-dtypes", "float32",
