@@ -549,9 +549,10 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
     for variant in variants:
         label = "{}/{}".format(*variant)
         with tempfile.TemporaryDirectory(prefix="foxhunt-bench-compile-") as cache:
-            for name, extra in steps:
+            for k, (name, extra) in enumerate(steps):
                 if not deadline.ok(20):
-                    out[name].setdefault("skipped", []).append(label)
+                    for later, _ in steps[k:]:  # each reads the cache the ones before it fill
+                        out[later].setdefault("skipped", []).append(label)
                     break
                 res = _run_child(_child_cmd(args, [variant], Path(cache) / f"{name}.json", 0),
                                  _child_env(FOXHUNT_JAX_CACHE=cache, **extra),
@@ -559,7 +560,9 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
                 _report_child(name, res)
                 if "error" in res:
                     out[name]["error"] = f"{label}: {res['error']}"
-                    break  # the next step would read a cache this one did not fill
+                    for later, _ in steps[k + 1:]:
+                        out[later].setdefault("skipped", []).append(label)
+                    break
                 out[name]["rows"] += res.get("rows", [])
 
 
