@@ -290,8 +290,9 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
     dtype; ``blocks``: the parameters' reader (:func:`read_blocks`); ``z`` ``[Kp]`` f32 (zero
-    past K; None when not ``greedy``). ``on_q(d, q)`` (optional) receives branch d's expected Q: ``[BM, n_pad]``
-    (grouped, -inf past n_d) or, per action a, ``on_q((d, a), q [BM])`` (per_action).
+    past K; None when not ``greedy``). ``on_q(d, q)`` (optional) receives branch d's expected
+    Q: ``[BM, n_pad]`` (grouped, -inf past n_d) or, per action a, ``on_q((d, a), q [BM])``
+    (per_action).
     ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
     n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
     (finite, to be dropped). ``greedy=False`` stops after the logits (no softmax, expected Q or
