@@ -285,7 +285,7 @@ def read_blocks(plan: Plan, cd, layout: str, ops: dict, rows: int,
 
 
 def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q=None,
-                 on_logits=None, *, greedy: bool = True, on_layer=None) -> list:
+                 on_logits=None, *, greedy: bool = True) -> list:
     """The network on one block of rows inside a kernel -> per-branch greedy actions.
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
@@ -296,29 +296,23 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
     ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
     n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
     (finite, to be dropped). ``greedy=False`` stops after the logits (no softmax, expected Q or
-    argmax; for ``on_logits`` alone). ``on_layer(name, xs)`` (optional) receives each Dense
-    layer's input chunks before its product (a backward pass keeps them).
+    argmax; for ``on_logits`` alone).
     Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``), or an
     empty list when not ``greedy``.
     """
-    def dense(xs, sizes, name, out_sizes, relu, col0=0):
-        if on_layer is not None:
-            on_layer(name, xs)
-        return _dense(xs, sizes, blocks, name, out_sizes, cd, relu, col0)
-
     sizes = plan.chunks(plan.obs_dim)
     for i, w in enumerate(plan.trunk):
         out_sizes = plan.chunks(w)
-        hs = dense(xs, sizes, f"trunk_{i}", out_sizes, True)
+        hs = _dense(xs, sizes, blocks, f"trunk_{i}", out_sizes, cd, True)
         xs, sizes = [h.astype(cd) for h in hs], out_sizes
     head_sizes = plan.chunks(plan.head)
     kp, k = plan.atoms_pad, plan.atoms
 
     def hidden(name):
-        return [h.astype(cd) for h in dense(xs, sizes, name, head_sizes, True)]
+        return [h.astype(cd) for h in _dense(xs, sizes, blocks, name, head_sizes, cd, True)]
 
     hv = hidden("value_hidden")
-    [v] = dense(hv, head_sizes, "value_out", (kp,), False)
+    [v] = _dense(hv, head_sizes, blocks, "value_out", (kp,), cd, False)
     atom_ok = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1) < k
     neg_inf = jnp.float32(-jnp.inf)
     actions = []
@@ -326,7 +320,7 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
         npad = plan.actions_pad(d)
         ha = hidden(f"adv{d}_hidden")
         if layout == "grouped":
-            [a] = dense(ha, head_sizes, f"adv{d}_out", (npad * kp,), False)
+            [a] = _dense(ha, head_sizes, blocks, f"adv{d}_out", (npad * kp,), cd, False)
             a = a.reshape(a.shape[0], npad, kp)
             # padded actions are exact zeros, so the sum over all npad rows is the sum over n
             mean = jnp.sum(a, axis=1) * jnp.float32(1.0 / n)
@@ -343,8 +337,8 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
                 on_q(d, q)
             actions.append(jnp.argmax(q, axis=1).astype(jnp.int32))
         else:
-            advs = [dense(ha, head_sizes, f"adv{d}_out", (kp,), False, col0=a * kp)[0]
-                    for a in range(n)]
+            advs = [_dense(ha, head_sizes, blocks, f"adv{d}_out", (kp,), cd, False,
+                           col0=a * kp)[0] for a in range(n)]
             mean = advs[0]
             for a_t in advs[1:]:
                 mean = mean + a_t

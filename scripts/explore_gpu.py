@@ -14,11 +14,9 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors and
-  variants (optimizer per tensor, curiosity off, one online forward over s and s', the fused
-  C51 gradient kernel, XLA compile options from ``--learner-options``), with the number of kernel-launching instructions in
+  variants (optimizer per tensor, curiosity off, one online forward over s and s', XLA compile
+  options from ``--learner-options``), with the number of kernel-launching instructions in
   each compiled program;
-- ``c51grad``: the fused C51 gradient kernel alone against XLA's autodiff of the same loss,
-  time and error against float32 autodiff, per launch shape;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
@@ -66,10 +64,8 @@ import optax
 
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
-from pallas_kernels import c51_grad
 
-SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "c51grad", "compilecache",
-            "compileopts",
+SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
             "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
             "overlap")
 
@@ -338,83 +334,6 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
-def _c51_config(variant: str):
-    """The C51 gradient kernel's launch shape of a variant ``pallas[:RxW[xC]]`` (R rows and W
-    warps a program, operand blocks at most C wide); the library's default for anything else."""
-    from pallas_kernels import c51_grad
-
-    cfg = c51_grad.DEFAULT_CONFIG
-    if not variant.startswith("pallas:"):
-        return cfg
-    shape = [int(v) for v in variant[7:].split("x")]
-    over = {"block_rows": shape[0], "num_warps": shape[1], "min_warps": shape[1]}
-    if len(shape) > 2:
-        over["max_chunk"] = shape[2]
-    return dataclasses.replace(cfg, **over)
-
-
-def section_c51grad(args, out: dict) -> None:
-    """The fused C51 gradient kernel alone against XLA's autodiff of the same loss (the seed's
-    batch, bf16): time per call, and each gradient leaf's largest error relative to the float32
-    autodiff (``Precision.HIGHEST``), beside bf16 autodiff's own error."""
-    from foxhunt_jax.agent.loss import c51_cross_entropy
-    from foxhunt_jax.agent.network import QNetwork
-
-    m, dim, branches = (16 if args.quick else 64), args.obs_dim, (5, 3, 3)
-    trunk, head = ((32,), 16) if args.quick else ((256, 256), 160)
-    rng = np.random.default_rng(args.seed)
-    nets = {dt: QNetwork(branch_sizes=branches, trunk=trunk, head=head, dtype=dt)
-            for dt in ("float32", "bfloat16")}
-    params = nets["float32"].init(jax.random.key(args.seed), jnp.zeros((1, dim)))
-    params = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32),
-                          params)
-    obs = jnp.asarray(rng.standard_normal((m, dim)), jnp.float32)
-    act = jnp.asarray(np.stack([rng.integers(0, n, m) for n in branches], -1), jnp.int32)
-    targets = tuple(jnp.asarray(rng.dirichlet(np.ones(11), m), jnp.float32) for _ in branches)
-    w = jnp.asarray(rng.uniform(0.1, 1.0, m) / m, jnp.float32)
-
-    def autodiff(net):
-        def f(p):
-            losses = c51_cross_entropy(net.apply(p, obs), act, targets)
-            return jnp.sum(w * losses), losses
-        def losses_and_grads(p):  # as fused_c51_grad returns them
-            (_, losses), grads = jax.value_and_grad(f, has_aux=True)(p)
-            return losses, grads
-        return jax.jit(losses_and_grads)
-
-    truth = autodiff(nets["float32"])(params)[1]
-
-    def errors(grads):
-        return max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-                   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(truth)))
-
-    out["rows"] = []
-    fns = [("xla_autodiff_bf16", autodiff(nets["bfloat16"]))]
-    for variant in args.c51_variants.split(","):
-        cfg = _c51_config(variant)
-        fns.append((variant, jax.jit(lambda p, _c=cfg: c51_grad.fused_c51_grad(
-            p, obs, act, targets, w, nets["bfloat16"], config=_c))))
-    for name, fn in fns:
-        if time.perf_counter() > args._deadline:
-            out.setdefault("skipped", []).append(name)
-            continue
-        row = {"variant": name, "batch": m}
-        try:
-            t0 = time.perf_counter()
-            grads = fn(params)[1]
-            jax.block_until_ready(grads)
-            row["first_call_s"] = time.perf_counter() - t0
-            row["max_rel_err_vs_f32"] = errors(grads)
-            row.update(_timed(lambda: fn(params), args.reps * 10))
-            row["us"] = row["ms"] * 1e3
-            print(f"  c51grad {name}: {row['us']:.1f} us, largest relative error "
-                  f"{row['max_rel_err_vs_f32']:.2e}", flush=True)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"  c51grad {name}: FAILED {row['error']}", flush=True)
-        out["rows"].append(row)
-
-
 def _options(variant: str) -> dict:
     """XLA compile options of a learner variant ``xla:name=value,name=value``, else none."""
     if not variant.startswith("xla:"):
@@ -467,9 +386,6 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 loss = _concat_online_loss
-            elif variant.startswith("pallas"):  # the fused C51 gradient kernel (and forwards)
-                learner = dataclasses.replace(learner, net_cfg=dataclasses.replace(
-                    learner.net_cfg, backend="pallas"))
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner):
                     def body(c, kk):
@@ -483,8 +399,6 @@ def section_learner(args, out: dict) -> None:
                 # a candidate loss form is swapped in for this trace only (the library is
                 # unchanged until a variant wins, measured)
                 real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
-                real_cfg = c51_grad.DEFAULT_CONFIG
-                c51_grad.DEFAULT_CONFIG = _c51_config(variant)
                 try:
                     # the library's options (jitcache.compiler_options), a variant's over them
                     opts = {**compiler_options(), **_options(variant)}
@@ -492,7 +406,6 @@ def section_learner(args, out: dict) -> None:
                         agent, state.buffer, jax.random.key(1)).compile()
                 finally:
                     learner_mod.per_sample_loss = real
-                    c51_grad.DEFAULT_CONFIG = real_cfg
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
@@ -509,7 +422,7 @@ def section_learner(args, out: dict) -> None:
                 params = jax.device_get(params.params)
                 if base_params is None:
                     base_params = params
-                elif variant.startswith(("xla:", "pallas")):
+                elif variant.startswith("xla:"):
                     # raveled in the pytree's leaf order, as ravel_pytree does
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -1135,12 +1048,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
                     help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
-                         "no_rnd, concat_online (one online forward over s and s'), pallas[:RxW[xC]] "
-                         "(the fused C51 gradient kernel: R rows and W warps a program, "
-                         "operand blocks at most C wide)")
-    ap.add_argument("--c51-variants", default="pallas",
-                    help="kernel launch shapes of the c51grad section (as pallas learner "
-                         "variants)")
+                         "no_rnd, concat_online (one online forward over s and s')")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",

@@ -31,7 +31,7 @@ import optax
 from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.loss import c51_double_q_loss, c51_targets
+from foxhunt_jax.agent.loss import c51_double_q_loss
 from foxhunt_jax.agent.network import (QNetwork, forward_logits, init_params,
                                        support as make_support)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
@@ -123,33 +123,6 @@ def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, acti
                              learner.support)
 
 
-def loss_and_grad(learner: Learner, params, target_params, obs, next_obs, items, weights):
-    """``((loss, losses [M]), grads)``: the importance-weighted mean C51 loss of a batch, the
-    per-sample losses and the gradient of the mean with respect to the online ``params``.
-
-    ``network.backend="xla"`` differentiates :func:`per_sample_loss` (Flax layers, autodiff).
-    ``"pallas"`` computes the targets from two fused no-gradient forwards at ``next_obs``
-    (:func:`~foxhunt_jax.agent.loss.c51_targets`) and the loss at ``obs`` with its gradient in
-    one kernel (:mod:`pallas_kernels.c51_grad`, tested equal to the autodiff of the same
-    :func:`~foxhunt_jax.agent.loss.c51_cross_entropy`).
-    """
-    if learner.net_cfg.backend != "pallas":
-        def loss_fn(p):
-            losses = per_sample_loss(learner, p, target_params, obs, next_obs, items["action"],
-                                     items["reward"], items["discount"])
-            return jnp.mean(weights * losses), losses
-
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
-    from pallas_kernels.c51_grad import fused_c51_grad
-
-    apply = lambda p: forward_logits(p, next_obs, learner.network, "pallas")  # noqa: E731
-    targets = c51_targets(apply(params), apply(target_params), items["reward"], items["discount"],
-                          learner.support)
-    losses, grads = fused_c51_grad(params, obs, items["action"], targets,
-                                   weights / weights.shape[0], learner.network)
-    return (jnp.mean(weights * losses), losses), grads
-
-
 def _update_target(learner: Learner, params, target_params, step):
     t = learner.train_cfg
     if t.target_update == "polyak":
@@ -166,8 +139,13 @@ def _update(learner: Learner, decode: Decode, agent: AgentState, items, weights)
     XLA all-reduces the devices' partial gradients.
     """
     obs, next_obs = decode(items)
-    (loss, losses), grads = loss_and_grad(learner, agent.params, agent.target_params, obs,
-                                          next_obs, items, weights)
+
+    def loss_fn(params):
+        losses = per_sample_loss(learner, params, agent.target_params, obs, next_obs,
+                                 items["action"], items["reward"], items["discount"])
+        return jnp.mean(weights * losses), losses
+
+    (loss, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params)
     updates, opt_state = learner.optimizer.update(grads, agent.opt_state, agent.params)
     params = optax.apply_updates(agent.params, updates)
     step = agent.step + 1

@@ -54,58 +54,6 @@ def _select(logits_d: jax.Array, action: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logits_d, action[:, None, None], axis=1)[:, 0, :]
 
 
-def c51_targets(online_next: Sequence[jax.Array], target_next: Sequence[jax.Array],
-                returns: jax.Array, discounts: jax.Array, support: jax.Array
-                ) -> tuple[jax.Array, ...]:
-    """The double-Q C51 target distribution of each branch (no gradient).
-
-    Args:
-      online_next: tuple over branches of online logits at the bootstrap observation,
-        ``[M, n_d, K]``.
-      target_next: tuple of target-network logits at the bootstrap observation, ``[M, n_d, K]``.
-      returns: ``[M]`` n-step returns.
-      discounts: ``[M]`` bootstrap discounts (``gamma^k``, 0 where terminated).
-      support: ``[K]`` atoms.
-
-    Returns:
-      tuple over branches of ``[M, K]``: ``Phi(r + discount * z; softmax(target_next_d[a*_d]))``
-      with ``a*_d = argmax_a E[Q_online_next_d(a)]``.
-    """
-    if not (len(online_next) == len(target_next) >= 1):
-        raise ValueError("c51_targets: online_next and target_next need the same number of "
-                         "branches (>= 1)")
-    out = []
-    for on, tg in zip(online_next, target_next):
-        chex.assert_equal_shape([on, tg])
-        a_star = jnp.argmax(expected_q(jax.lax.stop_gradient(on), support), axis=-1)
-        p_next = jax.nn.softmax(_select(tg, a_star).astype(jnp.float32), axis=-1)
-        out.append(jax.lax.stop_gradient(
-            categorical_projection(p_next, returns, discounts, support)))
-    return tuple(out)
-
-
-def c51_cross_entropy(online_s: Sequence[jax.Array], actions: jax.Array,
-                      targets: Sequence[jax.Array]) -> jax.Array:
-    """Per-sample cross-entropy of the taken actions' distributions, averaged over branches.
-
-    ``online_s``: tuple of ``[M, n_d, K]`` logits at s; ``actions``: ``[M, B]`` int32;
-    ``targets``: tuple of ``[M, K]`` target distributions (:func:`c51_targets`). Returns ``[M]``:
-    ``mean_d -sum_k targets_d * log_softmax(online_s_d[a_d])``. The one definition of the loss
-    that ``pallas_kernels.c51_grad`` differentiates in one kernel.
-    """
-    n_branches = len(online_s)
-    if not (len(targets) == n_branches >= 1):
-        raise ValueError("c51_cross_entropy: online_s and targets need the same number of "
-                         "branches (>= 1)")
-    chex.assert_shape(actions, (online_s[0].shape[0], n_branches))
-    per_branch = []
-    for d in range(n_branches):
-        log_p = jax.nn.log_softmax(_select(online_s[d], actions[:, d]).astype(jnp.float32),
-                                   axis=-1)
-        per_branch.append(-jnp.sum(targets[d] * log_p, axis=-1))
-    return jnp.mean(jnp.stack(per_branch, axis=0), axis=0)
-
-
 def c51_double_q_loss(online_s: Sequence[jax.Array], online_next: Sequence[jax.Array],
                       target_next: Sequence[jax.Array], actions: jax.Array, returns: jax.Array,
                       discounts: jax.Array, support: jax.Array) -> jax.Array:
@@ -124,18 +72,24 @@ def c51_double_q_loss(online_s: Sequence[jax.Array], online_next: Sequence[jax.A
       ``[M]`` loss: per branch d, the cross-entropy between the projected target
       ``Phi(r + discount * z; softmax(target_next_d[a*_d]))`` with
       ``a*_d = argmax_a E[Q_online_next_d(a)]`` and ``softmax(online_s_d[a_d])``; then the mean
-      over branches (:func:`c51_targets`, :func:`c51_cross_entropy`). Gradients flow only into
-      ``online_s``. Importance weights are applied by the caller.
+      over branches. Gradients flow only into ``online_s``. Importance weights are applied by
+      the caller.
     """
     n_branches = len(online_s)
     if not (len(online_next) == len(target_next) == n_branches >= 1):
         raise ValueError("c51_double_q_loss: online_s, online_next and target_next need the same "
                          "number of branches (>= 1)")
     chex.assert_shape(actions, (returns.shape[0], n_branches))
+    per_branch = []
     for d in range(n_branches):
         chex.assert_equal_shape([online_s[d], online_next[d], target_next[d]])
-    targets = c51_targets(online_next, target_next, returns, discounts, support)
-    return c51_cross_entropy(online_s, actions, targets)
+        a_star = jnp.argmax(expected_q(jax.lax.stop_gradient(online_next[d]), support), axis=-1)
+        p_next = jax.nn.softmax(_select(target_next[d], a_star).astype(jnp.float32), axis=-1)
+        m = categorical_projection(p_next, returns, discounts, support)
+        m = jax.lax.stop_gradient(m)
+        log_p = jax.nn.log_softmax(_select(online_s[d], actions[:, d]).astype(jnp.float32), axis=-1)
+        per_branch.append(-jnp.sum(m * log_p, axis=-1))
+    return jnp.mean(jnp.stack(per_branch, axis=0), axis=0)
 
 
 def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Array, gamma: float,
@@ -190,5 +144,4 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
     return ret, discounts.astype(rewards.dtype), k
 
 
-__all__ = ["categorical_projection", "c51_targets", "c51_cross_entropy", "c51_double_q_loss",
-           "n_step_targets"]
+__all__ = ["categorical_projection", "c51_double_q_loss", "n_step_targets"]
