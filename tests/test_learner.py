@@ -9,8 +9,9 @@ import pytest
 
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import (beta_at, beta_from, epsilon_at, epsilon_from,
-                                       epsilon_greedy, init_agent, schedule_values,
-                                       make_learner, per_sample_loss, train_steps)
+                                       epsilon_greedy, init_agent, learner_step,
+                                       schedule_values, make_learner, per_sample_loss,
+                                       train_steps)
 from foxhunt_jax.agent.network import expected_q
 from foxhunt_jax.config import load_config
 
@@ -95,6 +96,46 @@ def test_loss_falls_on_fixed_batch():
     assert np.isfinite(after) and after < 0.7 * before, (before, after)
     assert int(agent.step) == 200
     assert set(metrics) >= {"loss", "grad_norm", "rnd_loss"}
+
+
+@pytest.mark.parametrize("shards", [None, 2])
+def test_pipelined_train_steps_equal_sequential_learner_steps(shards):
+    """train_steps draws batch t + 1 after update t's priorities and beside its backward: the
+    same steps, keys and results as K learner_step calls in a row (plain and sharded buffers,
+    prioritized, curiosity on)."""
+    cfg = _cfg("replay.alpha=0.6", "curiosity.coef=0.1", "curiosity.hidden=8",
+               "curiosity.embed=4", "train.target_period=3")
+    learner = make_learner(cfg, (3, 2))
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    d, n, k = 6, 32, 5
+    items = {"obs": rng.normal(size=(n, d)).astype(np.float32),
+             "next_obs": rng.normal(size=(n, d)).astype(np.float32),
+             "action": np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n)], 1).astype(np.int32),
+             "reward": rng.normal(size=n).astype(np.float32),
+             "discount": rng.uniform(0, 1, n).astype(np.float32)}
+    raw = rng.gamma(1.0, 1.0, n).astype(np.float32)
+    example = jax.tree.map(lambda x: x[0], items)
+    if shards is None:
+        buf = replay.add(replay.init(example, 64), items, raw, 0.6)
+    else:
+        split = lambda x: x.reshape((shards, n // shards) + x.shape[1:])  # noqa: E731
+        buf = replay.add_shards(replay.init_shards(example, 64, shards),
+                                jax.tree.map(split, items), split(raw), 0.6)
+    agent = init_agent(jax.random.PRNGKey(0), learner, d)
+    decode = lambda it: (it["obs"], it["next_obs"])  # noqa: E731
+    key, beta = jax.random.PRNGKey(int(rng.integers(2**31))), jnp.float32(0.5)
+
+    def sequential(a, b):
+        ms = []
+        for kk in jax.random.split(key, k):
+            a, b, m = learner_step(learner, decode, a, b, kk, beta)
+            ms.append(m)
+        return a, b, jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *ms)
+
+    got = jax.jit(lambda a, b: train_steps(learner, decode, a, b, key, beta, k))(agent, buf)
+    want = jax.jit(sequential)(agent, buf)
+    assert int(got[0].step) == k
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_schedules():

@@ -17,7 +17,7 @@ import pytest
 
 from foxhunt_jax import cli, parallel
 from foxhunt_jax.agent import replay
-from foxhunt_jax.agent.learner import _update, init_agent, learner_step, make_learner
+from foxhunt_jax.agent.learner import Batch, _update, init_agent, learner_step, make_learner
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training.collect import chunked, collect, collect_shards, start, start_shards
@@ -179,8 +179,9 @@ def test_sharded_learner_step_is_one_update_on_the_global_batch():
         new_agent, new_buffer, m = learner_step(learner, decode, agent, buffer, key, beta)
         drawn, idx, w = replay.sample_shards(buffer, key, 8, beta)
         flat = lambda x: x.reshape((-1,) + x.shape[2:])
-        ref_agent, losses, ref_m = _update(learner, decode, agent, jax.tree.map(flat, drawn),
-                                           flat(w))
+        drawn = jax.tree.map(flat, drawn)
+        ref_agent, losses, ref_m = _update(learner, agent, Batch(*decode(drawn), drawn, idx,
+                                                                 flat(w)))
         return (new_agent, new_buffer, m), (ref_agent, losses, ref_m, idx, flat(w))
 
     (a2, b2, m2), (ref_agent, losses, ref_m, idx, w) = run_once(both, items, raw, key)

@@ -8,7 +8,8 @@ One jitted function does a whole step (DESIGN 3.9):
     -> target update (hard every M steps or Polyak)
     -> new priorities = per-sample loss -> RND predictor update on s'
 
-``train_steps`` runs K of them under ``lax.scan``. The learner is generic over what the replay
+``train_steps`` runs K of them under ``lax.scan``, software-pipelined: each iteration draws the
+next batch beside its own backward pass. The learner is generic over what the replay
 buffer stores: ``decode(items) -> (obs [M, D], next_obs [M, D])`` rebuilds observations, so the
 trading agent can store compact transitions and CartPole can store whole observations.
 
@@ -131,14 +132,32 @@ def _update_target(learner: Learner, params, target_params, step):
     return jax.tree.map(lambda p, q: jnp.where(copy, p, q), params, target_params)
 
 
-def _update(learner: Learner, decode: Decode, agent: AgentState, items, weights):
-    """The update of one batch ``items [M, ...]`` with importance ``weights [M]``.
+@struct.dataclass
+class Batch:
+    """A prioritized draw from the replay buffer (:func:`sample_batch`).
+
+    Attributes:
+      obs, next_obs: ``[M, D]`` decoded observations (s and the bootstrap observation).
+      items: the replay items ``[M, ...]`` (``action``, ``reward``, ``discount`` are read).
+      indices: their slots, ``[M]`` int32, or ``[S, M/S]`` for a sharded buffer.
+      weights: ``[M]`` float32 importance weights.
+    """
+
+    obs: jax.Array
+    next_obs: jax.Array
+    items: Any
+    indices: jax.Array
+    weights: jax.Array
+
+
+def _update(learner: Learner, agent: AgentState, batch: Batch):
+    """The update of one batch with its importance weights.
 
     Returns the new agent, the per-sample losses ``[M]`` (the new priorities) and the metrics.
     The loss is the weighted mean over the whole batch: when the batch is split over devices,
     XLA all-reduces the devices' partial gradients.
     """
-    obs, next_obs = decode(items)
+    obs, next_obs, items, weights = batch.obs, batch.next_obs, batch.items, batch.weights
 
     def loss_fn(params):
         losses = per_sample_loss(learner, params, agent.target_params, obs, next_obs,
@@ -159,42 +178,74 @@ def _update(learner: Learner, decode: Decode, agent: AgentState, items, weights)
     return agent, jax.lax.stop_gradient(losses), metrics
 
 
+def sample_batch(learner: Learner, decode: Decode, buffer: replay.ReplayState, key: jax.Array,
+                 beta: jax.Array) -> Batch:
+    """A prioritized :class:`Batch` of ``M = train.batch_size`` items, decoded.
+
+    A sharded buffer (:func:`replay.init_shards`, priorities ``[S, C/S]``) gives ``M/S`` items
+    per shard (:func:`replay.sample_shards`), flattened into one batch; its ``indices`` stay
+    ``[S, M/S]`` (slots of each shard).
+    """
+    m = learner.train_cfg.batch_size
+    if replay.num_shards(buffer) is None:
+        items, indices, weights = replay.sample(buffer, key, m, beta)
+    else:
+        items, indices, weights = replay.sample_shards(buffer, key, m, beta)  # [S, M/S, ...]
+        flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
+        items, weights = jax.tree.map(flat, items), flat(weights)
+    obs, next_obs = decode(items)
+    return Batch(obs=obs, next_obs=next_obs, items=items, indices=indices, weights=weights)
+
+
+def learn_batch(learner: Learner, agent: AgentState, buffer: replay.ReplayState,
+                batch: Batch) -> tuple[AgentState, replay.ReplayState, dict]:
+    """The update from a :class:`Batch`; returns new agent, the buffer with the batch's new
+    priorities, and the metrics."""
+    r = learner.replay_cfg
+    agent, losses, metrics = _update(learner, agent, batch)
+    if replay.num_shards(buffer) is None:
+        buffer = replay.update_priorities(buffer, batch.indices, losses, r.alpha, r.priority_eps)
+    else:
+        buffer = replay.update_priorities_shards(buffer, batch.indices,
+                                                 losses.reshape(batch.indices.shape), r.alpha,
+                                                 r.priority_eps)
+    return agent, buffer, metrics
+
+
 def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
                  key: jax.Array, beta: jax.Array) -> tuple[AgentState, replay.ReplayState, dict]:
     """One update from a prioritized batch; returns new agent, buffer with new priorities, metrics.
 
-    A sharded buffer (:func:`replay.init_shards`, priorities ``[S, C/S]``) gives ``M/S`` items
-    per shard (:func:`replay.sample_shards`); the update sees the ``M`` items as one batch.
+    A plain or a sharded buffer (:func:`sample_batch`); the update sees the ``M`` items as one
+    batch.
     """
-    r, m = learner.replay_cfg, learner.train_cfg.batch_size
-    shards = replay.num_shards(buffer)
-    if shards is None:
-        items, indices, weights = replay.sample(buffer, key, m, beta)
-        agent, losses, metrics = _update(learner, decode, agent, items, weights)
-        buffer = replay.update_priorities(buffer, indices, losses, r.alpha, r.priority_eps)
-        return agent, buffer, metrics
-    items, indices, weights = replay.sample_shards(buffer, key, m, beta)  # [S, M/S, ...]
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])
-    agent, losses, metrics = _update(learner, decode, agent, jax.tree.map(flat, items),
-                                     flat(weights))
-    buffer = replay.update_priorities_shards(buffer, indices, losses.reshape(indices.shape),
-                                             r.alpha, r.priority_eps)
-    return agent, buffer, metrics
+    return learn_batch(learner, agent, buffer, sample_batch(learner, decode, buffer, key, beta))
 
 
 def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
                 key: jax.Array, beta: jax.Array, num_steps: int):
     """K learner steps under ``lax.scan``; metrics are averaged over the K steps.
 
-    ``buffer`` may be plain or sharded (see :func:`learner_step`).
+    Step ``t`` is :func:`learner_step` with key ``split(key, K)[t]``, and the result is the same,
+    but the loop is software-pipelined: iteration ``t`` updates from batch ``t`` and then draws
+    and decodes batch ``t + 1``. The draw needs only the priorities that batch ``t``'s forward
+    sets, not the backward or the optimizer, so in one iteration's program XLA runs the next
+    draw beside the backward instead of after it: the draw is a chain of small kernels that no
+    longer lies between one update and the next (BENCHMARKS.md, session 9). The last
+    iteration's draw is not used.
+
+    ``buffer`` may be plain or sharded (see :func:`sample_batch`).
     """
+    keys = jax.random.split(key, num_steps)
 
-    def body(carry, k):
-        agent, buffer = carry
-        agent, buffer, m = learner_step(learner, decode, agent, buffer, k, beta)
-        return (agent, buffer), m
+    def body(carry, k_next):
+        agent, buffer, batch = carry
+        agent, buffer, m = learn_batch(learner, agent, buffer, batch)
+        return (agent, buffer, sample_batch(learner, decode, buffer, k_next, beta)), m
 
-    (agent, buffer), ms = jax.lax.scan(body, (agent, buffer), jax.random.split(key, num_steps))
+    first = sample_batch(learner, decode, buffer, keys[0], beta)
+    following = jnp.concatenate([keys[1:], keys[:1]])  # the last draw is discarded
+    (agent, buffer, _), ms = jax.lax.scan(body, (agent, buffer, first), following)
     return agent, buffer, jax.tree.map(jnp.mean, ms)
 
 
