@@ -13,9 +13,10 @@ default was chosen from, each in the same process so ratios are fair:
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
-- ``learner``: the seed's 50 learner steps under ``lax.scan`` with several unroll factors and
-  variants (optimizer per tensor, curiosity off, one online forward over s and s', XLA compile
-  options from ``--learner-options``), with the number of kernel-launching instructions in
+- ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps``; a plain
+  ``lax.scan`` of ``learner_step`` with several unroll factors) and variants (optimizer per
+  tensor, curiosity off, one online forward over s and s', XLA compile options from
+  ``--learner-options``), with the number of kernel-launching instructions in
   each compiled program;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
@@ -334,6 +335,11 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
+def _gather_select(logits_d, action):
+    """``loss._select`` as it was before session 9: a gather (its gradient a scatter-add)."""
+    return jnp.take_along_axis(logits_d, action[:, None, None], axis=1)[:, 0, :]
+
+
 def _options(variant: str) -> dict:
     """XLA compile options of a learner variant ``xla:name=value,name=value``, else none."""
     if not variant.startswith("xla:"):
@@ -348,7 +354,9 @@ def _options(variant: str) -> dict:
 def section_learner(args, out: dict) -> None:
     """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
     from foxhunt_jax.agent import learner as learner_mod
-    from foxhunt_jax.agent.learner import learner_step
+    from foxhunt_jax.agent import loss as loss_mod
+    from foxhunt_jax.agent import network as network_mod
+    from foxhunt_jax.agent.learner import learner_step, train_steps
     from foxhunt_jax.env import trading
     from foxhunt_jax.training.trainer import experience_phase
 
@@ -376,6 +384,7 @@ def section_learner(args, out: dict) -> None:
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
                    "unroll": unroll, "variant": variant}
             learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
+            select, min_rows = loss_mod._select, network_mod.F32_PRECISION_MIN_ROWS
             if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
                 t = s.cfg.train
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -386,9 +395,17 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 loss = _concat_online_loss
+            elif variant == "gather_select":  # the taken action's logits by a gather, as
+                select = _gather_select  # before session 9
+            elif variant == "all_bf16x6":  # f32 GEMMs of any size in bf16 x6 (RND update)
+                min_rows = 0
             try:
-                def steps(agent, buf, key, _u=unroll, _l=learner):
-                    def body(c, kk):
+                def steps(agent, buf, key, _u=unroll, _l=learner, _v=variant):
+                    if _u == 1 and _v != "sequential":  # the library's (pipelined) loop
+                        a, b, m = train_steps(_l, decode, agent, buf, key, jnp.float32(0.5), k)
+                        return a, b, m["loss"]
+
+                    def body(c, kk):  # learner_step after learner_step, as before session 9
                         a, b = c
                         a, b, m = learner_step(_l, decode, a, b, kk, jnp.float32(0.5))
                         return (a, b), m["loss"]
@@ -399,6 +416,9 @@ def section_learner(args, out: dict) -> None:
                 # a candidate loss form is swapped in for this trace only (the library is
                 # unchanged until a variant wins, measured)
                 real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
+                real_select, loss_mod._select = loss_mod._select, select
+                real_rows, network_mod.F32_PRECISION_MIN_ROWS = (
+                    network_mod.F32_PRECISION_MIN_ROWS, min_rows)
                 try:
                     # the library's options (jitcache.compiler_options), a variant's over them
                     opts = {**compiler_options(), **_options(variant)}
@@ -406,6 +426,8 @@ def section_learner(args, out: dict) -> None:
                         agent, state.buffer, jax.random.key(1)).compile()
                 finally:
                     learner_mod.per_sample_loss = real
+                    loss_mod._select = real_select
+                    network_mod.F32_PRECISION_MIN_ROWS = real_rows
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
@@ -422,7 +444,8 @@ def section_learner(args, out: dict) -> None:
                 params = jax.device_get(params.params)
                 if base_params is None:
                     base_params = params
-                elif variant.startswith("xla:"):
+                elif variant.startswith("xla:") or variant in ("sequential", "gather_select",
+                                                                "all_bf16x6"):
                     # raveled in the pytree's leaf order, as ravel_pytree does
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -1047,8 +1070,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
     ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
-                    help="base, tree_adam (the optimizer per tensor, as before optax.flatten), "
-                         "no_rnd, concat_online (one online forward over s and s')")
+                    help="base (the library's train_steps), sequential (learner_step after "
+                         "learner_step, not pipelined), tree_adam (the optimizer per tensor, as "
+                         "before optax.flatten), no_rnd, concat_online (one online forward over s "
+                         "and s'), gather_select (the taken action's logits by a gather), "
+                         "all_bf16x6 (f32 GEMMs of every size in bf16 x6)")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",
