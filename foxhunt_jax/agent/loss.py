@@ -53,8 +53,8 @@ def _select(logits_d: jax.Array, action: jax.Array) -> jax.Array:
     """Logits of one action per row: ``[M, n, K]``, ``[M]`` int -> ``[M, K]``.
 
     A masked sum over the ``n`` actions rather than a gather: XLA fuses it with its neighbours,
-    and its gradient is a select instead of a scatter-add, which took the learner step on an
-    H200 from 139.6 to 126.0 us in bf16 (BENCHMARKS.md, session 9). Exact: one term is nonzero.
+    and its gradient is a select instead of a scatter-add. On an H200 that took the learner step
+    from 140.2 to 130.4 us in bf16 (BENCHMARKS.md, session 9). Exact: one term is nonzero.
     """
     taken = jnp.arange(logits_d.shape[1])[None, :, None] == action[:, None, None]
     return jnp.sum(jnp.where(taken, logits_d, 0.0), axis=1)
