@@ -385,6 +385,7 @@ def section_learner(args, out: dict) -> None:
                    "unroll": unroll, "variant": variant}
             learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
             select, min_rows = loss_mod._select, network_mod.F32_PRECISION_MIN_ROWS
+            f32_algorithm = network_mod.F32_PRECISION
             if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
                 t = s.cfg.train
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -399,6 +400,9 @@ def section_learner(args, out: dict) -> None:
                 select = _gather_select  # before session 9
             elif variant == "all_bf16x6":  # f32 GEMMs of any size in bf16 x6 (RND update)
                 min_rows = 0
+            elif variant == "f32_as_bf16":  # a diagnostic, not a candidate (inaccurate): every
+                min_rows = 0  # f32 GEMM as one bf16 product, so the RND update's are cheap
+                f32_algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner, _v=variant):
                     if _u == 1 and _v != "sequential":  # the library's (pipelined) loop
@@ -419,6 +423,8 @@ def section_learner(args, out: dict) -> None:
                 real_select, loss_mod._select = loss_mod._select, select
                 real_rows, network_mod.F32_PRECISION_MIN_ROWS = (
                     network_mod.F32_PRECISION_MIN_ROWS, min_rows)
+                real_algorithm, network_mod.F32_PRECISION = (network_mod.F32_PRECISION,
+                                                             f32_algorithm)
                 try:
                     # the library's options (jitcache.compiler_options), a variant's over them
                     opts = {**compiler_options(), **_options(variant)}
@@ -428,6 +434,7 @@ def section_learner(args, out: dict) -> None:
                     learner_mod.per_sample_loss = real
                     loss_mod._select = real_select
                     network_mod.F32_PRECISION_MIN_ROWS = real_rows
+                    network_mod.F32_PRECISION = real_algorithm
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
@@ -445,7 +452,7 @@ def section_learner(args, out: dict) -> None:
                 if base_params is None:
                     base_params = params
                 elif variant.startswith("xla:") or variant in ("sequential", "gather_select",
-                                                                "all_bf16x6"):
+                                                                "all_bf16x6", "f32_as_bf16"):
                     # raveled in the pytree's leaf order, as ravel_pytree does
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -1074,7 +1081,8 @@ def main(argv=None) -> dict:
                          "learner_step, not pipelined), tree_adam (the optimizer per tensor, as "
                          "before optax.flatten), no_rnd, concat_online (one online forward over s "
                          "and s'), gather_select (the taken action's logits by a gather), "
-                         "all_bf16x6 (f32 GEMMs of every size in bf16 x6)")
+                         "all_bf16x6 (f32 GEMMs of every size in bf16 x6), f32_as_bf16 (a "
+                         "diagnostic: every f32 GEMM as one bf16 product)")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",
