@@ -107,7 +107,7 @@ def test_pipelined_train_steps_equal_sequential_learner_steps(shards):
                "curiosity.embed=4", "train.target_period=3")
     learner = make_learner(cfg, (3, 2))
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
-    d, n, k = 6, 32, 5
+    d, n, k = 6, 32, 3
     items = {"obs": rng.normal(size=(n, d)).astype(np.float32),
              "next_obs": rng.normal(size=(n, d)).astype(np.float32),
              "action": np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n)], 1).astype(np.int32),
