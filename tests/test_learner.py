@@ -14,6 +14,7 @@ from foxhunt_jax.agent.learner import (beta_at, beta_from, epsilon_at, epsilon_f
                                        train_steps)
 from foxhunt_jax.agent.network import expected_q
 from foxhunt_jax.config import load_config
+from transitions import random_transitions
 
 GAMMA = 0.9
 N_STATES = 4
@@ -108,11 +109,7 @@ def test_pipelined_train_steps_equal_sequential_learner_steps(shards):
     learner = make_learner(cfg, (3, 2))
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     d, n, k = 6, 32, 3
-    items = {"obs": rng.normal(size=(n, d)).astype(np.float32),
-             "next_obs": rng.normal(size=(n, d)).astype(np.float32),
-             "action": np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n)], 1).astype(np.int32),
-             "reward": rng.normal(size=n).astype(np.float32),
-             "discount": rng.uniform(0, 1, n).astype(np.float32)}
+    items = random_transitions(rng, n, d, (3, 2))
     raw = rng.gamma(1.0, 1.0, n).astype(np.float32)
     example = jax.tree.map(lambda x: x[0], items)
     if shards is None:

@@ -22,6 +22,7 @@ from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training.collect import chunked, collect, collect_shards, start, start_shards
 from foxhunt_jax.training.trainer import TRADING_ADAPTER, Trainer
+from transitions import random_transitions
 
 ROOT = Path(__file__).resolve().parent.parent
 # Few and small programs: on a CPU the XLA compile, not the run, is what takes time.
@@ -161,11 +162,7 @@ def test_sharded_learner_step_is_one_update_on_the_global_batch():
     learner = make_learner(cfg, (3, 2))
     rng = np.random.default_rng(1)
     d, n, s = 5, 24, 2
-    items = {"obs": rng.normal(size=(n, d)).astype(np.float32),
-             "next_obs": rng.normal(size=(n, d)).astype(np.float32),
-             "action": np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n)], 1).astype(np.int32),
-             "reward": rng.normal(size=n).astype(np.float32),
-             "discount": rng.uniform(0, 1, n).astype(np.float32)}
+    items = random_transitions(rng, n, d, (3, 2))
     decode = lambda it: (it["obs"], it["next_obs"])
     key, beta = jax.random.PRNGKey(5), jnp.float32(0.6)
     raw = rng.gamma(1.0, 1.0, n).astype(np.float32)
