@@ -14,10 +14,11 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps``; a plain
-  ``lax.scan`` of ``learner_step`` with several unroll factors) and variants (optimizer per
-  tensor, curiosity off, one online forward over s and s', XLA compile options from
-  ``--learner-options``), with the number of kernel-launching instructions in
-  each compiled program;
+  ``lax.scan`` of ``learner_step`` with several unroll factors) and variants (the loop not
+  pipelined, the taken action's logits by a gather, f32 GEMM algorithms, optimizer per tensor,
+  curiosity off, one online forward over s and s', XLA compile options from
+  ``--learner-options``), with the number of kernel-launching instructions in each compiled
+  program and how far each variant's parameters end up from the first's;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
@@ -451,8 +452,7 @@ def section_learner(args, out: dict) -> None:
                 params = jax.device_get(params.params)
                 if base_params is None:
                     base_params = params
-                elif variant.startswith("xla:") or variant in ("sequential", "gather_select",
-                                                                "all_bf16x6", "f32_as_bf16"):
+                else:
                     # raveled in the pytree's leaf order, as ravel_pytree does
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
