@@ -549,10 +549,11 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
     for variant in variants:
         label = "{}/{}".format(*variant)
         with tempfile.TemporaryDirectory(prefix="foxhunt-bench-compile-") as cache:
+            # a step that is not run, or fails, skips the later ones: each reads the cache the
+            # ones before it fill
             for k, (name, extra) in enumerate(steps):
                 if not deadline.ok(20):
-                    for later, _ in steps[k:]:  # each reads the cache the ones before it fill
-                        out[later].setdefault("skipped", []).append(label)
+                    skipped = steps[k:]
                     break
                 res = _run_child(_child_cmd(args, [variant], Path(cache) / f"{name}.json", 0),
                                  _child_env(FOXHUNT_JAX_CACHE=cache, **extra),
@@ -560,10 +561,13 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
                 _report_child(name, res)
                 if "error" in res:
                     out[name]["error"] = f"{label}: {res['error']}"
-                    for later, _ in steps[k + 1:]:
-                        out[later].setdefault("skipped", []).append(label)
+                    skipped = steps[k + 1:]
                     break
                 out[name]["rows"] += res.get("rows", [])
+            else:
+                skipped = ()
+            for later, _ in skipped:
+                out[later].setdefault("skipped", []).append(label)
 
 
 def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:

@@ -218,3 +218,43 @@ def test_explore_script_quick_run_writes_every_section(tmp_path):
     launch = res["launch"]["rows"]
     assert [r["leaves"] for r in launch] == [1, 16]
     assert all(0 < r["returned_ms"] <= r["ready_ms"] for r in launch)
+
+
+def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_time(monkeypatch):
+    """Each variant's cold, XLA-cache and executable-cache children share one cache folder, so a
+    step that fails, or is not started for lack of time, marks that variant's later steps
+    skipped; the other variants still run all three."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def child(cmd, env, timeout):
+        variant = cmd[cmd.index("--variants") + 1]
+        step = Path(cmd[cmd.index("--json") + 1]).stem
+        calls.append((variant, step))
+        if variant == "xla:bfloat16" and step == "cold":
+            return {"error": "exit 1: boom"}
+        b, d = variant.split(":")
+        return {"rows": [{"backend": b, "dtype": d, "compile_ms": 1.0, "init_ms": 1.0}]}
+
+    monkeypatch.setattr(bench, "_run_child", child)
+    variants = [("xla", "float32"), ("xla", "bfloat16"), ("pallas", "bfloat16")]
+    args = SimpleNamespace(compile_variants=None, variants=variants, config="seed", overrides=[])
+    out = {}
+    bench.section_compile(args, out, bench.Deadline(600))
+    assert [v for v, _ in calls] == (["xla:float32"] * 3 + ["xla:bfloat16"]
+                                     + ["pallas:bfloat16"] * 3)
+    assert out["cold"]["error"] == "xla/bfloat16: exit 1: boom"
+    for step in ("cached_xla_only", "cached"):
+        assert out[step]["skipped"] == ["xla/bfloat16"]
+        assert [r["backend"] + r["dtype"] for r in out[step]["rows"]] == ["xlafloat32",
+                                                                           "pallasbfloat16"]
+    assert "skipped" not in out["cold"] and len(out["cold"]["rows"]) == 2
+
+    calls.clear()
+    out = {}
+    bench.section_compile(args, out, bench.Deadline(10))  # under the 20 s a child needs
+    assert calls == []
+    for step in ("cold", "cached_xla_only", "cached"):
+        assert out[step]["skipped"] == ["xla/float32", "xla/bfloat16", "pallas/bfloat16"]
+        assert out[step]["rows"] == []
