@@ -49,6 +49,7 @@ Usage (GPU)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -58,6 +59,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -384,9 +386,10 @@ def section_learner(args, out: dict) -> None:
                 continue
             row = {"dtype": dtype, "train_steps": k, "batch": s.cfg.train.batch_size,
                    "unroll": unroll, "variant": variant}
-            learner, agent, loss = s.learner, state.agent, learner_mod.per_sample_loss
-            select, min_rows = loss_mod._select, network_mod.F32_PRECISION_MIN_ROWS
-            f32_algorithm = network_mod.F32_PRECISION
+            learner, agent = s.learner, state.agent
+            # (module, attribute, value) swapped in for this variant's trace only (the library
+            # is unchanged until a variant wins, measured)
+            swaps = []
             if variant == "tree_adam":  # the optimizer chain per tensor (before optax.flatten)
                 t = s.cfg.train
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -396,14 +399,15 @@ def section_learner(args, out: dict) -> None:
             elif variant == "no_rnd":  # curiosity off: no RND predictor update in the step
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
-                loss = _concat_online_loss
+                swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
             elif variant == "gather_select":  # the taken action's logits by a gather, as
-                select = _gather_select  # before session 9
+                swaps.append((loss_mod, "_select", _gather_select))  # before session 9
             elif variant == "all_bf16x6":  # f32 GEMMs of any size in bf16 x6 (RND update)
-                min_rows = 0
+                swaps.append((network_mod, "F32_PRECISION_MIN_ROWS", 0))
             elif variant == "f32_as_bf16":  # a diagnostic, not a candidate (inaccurate): every
-                min_rows = 0  # f32 GEMM as one bf16 product, so the RND update's are cheap
-                f32_algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+                # f32 GEMM as one bf16 product, so the RND update's are cheap
+                swaps += [(network_mod, "F32_PRECISION_MIN_ROWS", 0),
+                          (network_mod, "F32_PRECISION", jax.lax.DotAlgorithmPreset.BF16_BF16_F32)]
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner, _v=variant):
                     if _u == 1 and _v != "sequential":  # the library's (pipelined) loop
@@ -418,24 +422,13 @@ def section_learner(args, out: dict) -> None:
                                               unroll=_u)
                     return a, b, jnp.mean(ls)
                 t0 = time.perf_counter()
-                # a candidate loss form is swapped in for this trace only (the library is
-                # unchanged until a variant wins, measured)
-                real, learner_mod.per_sample_loss = learner_mod.per_sample_loss, loss
-                real_select, loss_mod._select = loss_mod._select, select
-                real_rows, network_mod.F32_PRECISION_MIN_ROWS = (
-                    network_mod.F32_PRECISION_MIN_ROWS, min_rows)
-                real_algorithm, network_mod.F32_PRECISION = (network_mod.F32_PRECISION,
-                                                             f32_algorithm)
-                try:
+                with contextlib.ExitStack() as swapped:
+                    for module, name, value in swaps:
+                        swapped.enter_context(mock.patch.object(module, name, value))
                     # the library's options (jitcache.compiler_options), a variant's over them
                     opts = {**compiler_options(), **_options(variant)}
                     compiled = jax.jit(steps, compiler_options=opts or None).lower(
                         agent, state.buffer, jax.random.key(1)).compile()
-                finally:
-                    learner_mod.per_sample_loss = real
-                    loss_mod._select = real_select
-                    network_mod.F32_PRECISION_MIN_ROWS = real_rows
-                    network_mod.F32_PRECISION = real_algorithm
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
