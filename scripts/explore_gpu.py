@@ -11,14 +11,12 @@ default was chosen from, each in the same process so ratios are fair:
   tail it used to compute;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
-- ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision and as the
-  Pallas kernel ``pallas_kernels.rnd.errors`` (``pallas`` or ``pallas:ROWSxWARPS``), and its
-  error against float64 NumPy for a fresh and a nearly trained predictor;
+- ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
+  against float64 NumPy for a fresh and a nearly trained predictor;
 - ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps``; a plain
   ``lax.scan`` of ``learner_step`` with several unroll factors) and variants (the loop not
   pipelined, the taken action's logits by a gather, f32 GEMM algorithms, optimizer per tensor,
-  curiosity off, one online forward over s and s', the RND update as one Pallas kernel
-  (``pallas_rnd``, also with true-f32 products or other warps), XLA compile options from
+  curiosity off, one online forward over s and s', XLA compile options from
   ``--learner-options``), with the number of kernel-launching instructions in each compiled
   program and how far each variant's parameters end up from the first's;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
@@ -282,7 +280,6 @@ def section_rnd(args, out: dict) -> None:
     """Raw novelty of 2^22 observations per GEMM precision: time and error against float64."""
     from foxhunt_jax.agent import curiosity
     from foxhunt_jax.config import CuriosityConfig
-    from pallas_kernels import rnd as rnd_kernel
 
     cfg = CuriosityConfig()
     dim, m = args.obs_dim, args.rnd_rows
@@ -296,22 +293,13 @@ def section_rnd(args, out: dict) -> None:
                                                            ("hidden_0", "hidden_1", "out"))}})
     variants = _rnd_precisions()
     if args.rnd_variants:
-        names = args.rnd_variants.split(",")
-        variants = {k: v for k, v in variants.items() if k in names}
-        variants.update({k: (k, None) for k in names if k.startswith("pallas")})
+        variants = {k: v for k, v in variants.items() if k in args.rnd_variants.split(",")}
     xs = np.asarray(x[:4096], np.float64)
     out["rows"] = []
     for name, (prec, dt) in variants.items():
         row = {"variant": name, "rows": m, "obs_dim": dim}
         try:
             def err(pred, tgt, xx, _p=prec, _d=dt):
-                if isinstance(_p, str):  # the kernel, at its default or a given launch shape
-                    config = None
-                    if ":" in _p:
-                        bm, warps = (int(v) for v in _p.split(":")[1].split("x"))
-                        config = dataclasses.replace(rnd_kernel.ERRORS_CONFIG, block_rows=bm,
-                                                     num_warps=warps, min_warps=warps)
-                    return rnd_kernel.errors(pred, tgt, xx, config=config)
                 return jnp.sum(jnp.square(_rnd_forward(pred, xx, _p, _d)
                                           - _rnd_forward(tgt, xx, _p, _d)), axis=-1)
             f = jax.jit(err)
@@ -374,7 +362,6 @@ def section_learner(args, out: dict) -> None:
     from foxhunt_jax.agent.learner import learner_step, train_steps
     from foxhunt_jax.env import trading
     from foxhunt_jax.training.trainer import experience_phase
-    from pallas_kernels import rnd as rnd_kernel
 
     out["rows"] = []
     for dtype in args.learner_dtypes.split(","):
@@ -411,17 +398,6 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
             elif variant == "no_rnd":  # curiosity off: no RND predictor update in the step
                 agent = agent.replace(rnd=None)
-            elif variant.startswith("pallas_rnd"):  # the RND update as one kernel (what
-                # network.backend=pallas selects; the section's learner is xla's)
-                learner = dataclasses.replace(learner, net_cfg=dataclasses.replace(
-                    learner.net_cfg, backend="pallas"))
-                if variant == "pallas_rnd_ieee":  # its products in true f32 (FMA units)
-                    swaps.append((rnd_kernel, "PRECISION",
-                                  jax.lax.DotAlgorithmPreset.F32_F32_F32))
-                elif variant.startswith("pallas_rnd:"):  # warps, e.g. pallas_rnd:8
-                    swaps.append((rnd_kernel, "GRAD_CONFIG", dataclasses.replace(
-                        rnd_kernel.GRAD_CONFIG, num_warps=int(variant.split(":")[1]),
-                        min_warps=int(variant.split(":")[1]))))
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
             elif variant == "gather_select":  # the taken action's logits by a gather, as
@@ -465,9 +441,8 @@ def section_learner(args, out: dict) -> None:
                                   args.reps))
                 row["us_per_step"] = row["ms"] * 1e3 / k
                 # same inputs and key as the first variant: how far its parameters end up
-                after = compiled(agent, state.buffer, jax.random.key(2))[0]
-                params = jax.device_get({"q": after.params, "rnd": None if after.rnd is None
-                                         else after.rnd.predictor_params})
+                params = compiled(agent, state.buffer, jax.random.key(2))[0]
+                params = jax.device_get(params.params)
                 if base_params is None:
                     base_params = params
                 else:
@@ -475,16 +450,11 @@ def section_learner(args, out: dict) -> None:
                     flat = lambda tree: np.concatenate(  # noqa: E731
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
                     row["max_abs_param_diff_vs_base"] = float(
-                        np.max(np.abs(flat(params["q"]) - flat(base_params["q"]))))
-                    if params["rnd"] is not None and base_params["rnd"] is not None:
-                        row["max_abs_rnd_param_diff_vs_base"] = float(np.max(np.abs(
-                            flat(params["rnd"]) - flat(base_params["rnd"]))))
+                        np.max(np.abs(flat(params) - flat(base_params))))
                 print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
                       f"in the program, compile {row['compile_s']:.1f} s, params differ from "
-                      f"the first by {row.get('max_abs_param_diff_vs_base', 0):.3g} (RND "
-                      f"predictor {row.get('max_abs_rnd_param_diff_vs_base', 0):.3g})",
-                      flush=True)
+                      f"the first by {row.get('max_abs_param_diff_vs_base', 0):.3g}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  learner {dtype} unroll={unroll}: FAILED {row['error']}", flush=True)
@@ -1098,17 +1068,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--loop-forms", default="rollout_kernel,scan_fused_forward,scan_xla")
     ap.add_argument("--unrolls", default=None, help="learner scan unroll factors, e.g. 1,2,5")
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")
-    ap.add_argument("--rnd-variants", default=None,
-                    help="subset of the RND precisions, and pallas[:ROWSxWARPS] for the kernel")
+    ap.add_argument("--rnd-variants", default=None, help="subset of the RND precisions")
     ap.add_argument("--learner-variants", default="base",
                     help="base (the library's train_steps), sequential (learner_step after "
                          "learner_step, not pipelined), tree_adam (the optimizer per tensor, as "
                          "before optax.flatten), no_rnd, concat_online (one online forward over s "
                          "and s'), gather_select (the taken action's logits by a gather), "
                          "all_bf16x6 (f32 GEMMs of every size in bf16 x6), f32_as_bf16 (a "
-                         "diagnostic: every f32 GEMM as one bf16 product), pallas_rnd (the RND "
-                         "update as one kernel), pallas_rnd_ieee (its products in true f32), "
-                         "pallas_rnd:W (with W warps)")
+                         "diagnostic: every f32 GEMM as one bf16 product)")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",

@@ -161,37 +161,20 @@ def update_stats(state: RNDState, raw: jax.Array) -> RNDState:
     return state.replace(count=n, mean=mean, var=var)
 
 
-def loss_and_grad(state: RNDState, next_obs: jax.Array, backend: str = "xla"):
-    """The predictor's MSE ``mean((g(s') - f(s'))^2)`` over ``[M, E]`` and its gradient
-    (a pytree like ``predictor_params``).
+def update(state: RNDState, next_obs: jax.Array) -> tuple[RNDState, jax.Array]:
+    """One Adam step of the predictor on the MSE ``mean((g(s') - f(s'))^2)`` over ``[M, E]``.
 
-    ``backend="xla"`` differentiates the Flax networks; ``"pallas"`` computes both in one kernel
-    (:func:`pallas_kernels.rnd.loss_and_grad`, tested equal), which is what
-    ``network.backend=pallas`` selects for the learner step.
+    Returns the new state and the loss before the step (``float32`` scalar). The target
+    parameters are returned unchanged. With ``coef == 0`` nothing is trained and the loss is 0.
     """
-    if backend == "pallas":
-        from pallas_kernels.rnd import loss_and_grad as kernel
-
-        return kernel(state.predictor_params, state.target_params, next_obs)
+    if state.cfg.coef == 0:
+        return state, jnp.zeros((), jnp.float32)
     net = _network(state.cfg)
 
     def loss_fn(params):
         return jnp.mean(_errors(net, params, state.target_params, next_obs))
 
-    return jax.value_and_grad(loss_fn)(state.predictor_params)
-
-
-def update(state: RNDState, next_obs: jax.Array, backend: str = "xla"
-           ) -> tuple[RNDState, jax.Array]:
-    """One Adam step of the predictor on the MSE ``mean((g(s') - f(s'))^2)`` over ``[M, E]``.
-
-    Returns the new state and the loss before the step (``float32`` scalar). The target
-    parameters are returned unchanged. With ``coef == 0`` nothing is trained and the loss is 0.
-    ``backend`` computes the loss and gradient (:func:`loss_and_grad`).
-    """
-    if state.cfg.coef == 0:
-        return state, jnp.zeros((), jnp.float32)
-    loss, grads = loss_and_grad(state, next_obs, backend)
+    loss, grads = jax.value_and_grad(loss_fn)(state.predictor_params)
     updates, opt_state = _optimizer(state.cfg).update(grads, state.opt_state,
                                                       state.predictor_params)
     params = optax.apply_updates(state.predictor_params, updates)
@@ -200,5 +183,5 @@ def update(state: RNDState, next_obs: jax.Array, backend: str = "xla"
 
 __all__ = [
     "RNDNetwork", "RNDState", "init", "prediction_error", "scale_bonus", "intrinsic_reward",
-    "update_stats", "loss_and_grad", "update",
+    "update_stats", "update",
 ]

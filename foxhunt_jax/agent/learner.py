@@ -171,7 +171,7 @@ def _update(learner: Learner, agent: AgentState, batch: Batch):
     target_params = _update_target(learner, params, agent.target_params, step)
     rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
     if agent.rnd is not None:
-        rnd, rnd_loss = curiosity.update(agent.rnd, next_obs, learner.net_cfg.backend)
+        rnd, rnd_loss = curiosity.update(agent.rnd, next_obs)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "rnd_loss": rnd_loss}
     agent = AgentState(params=params, target_params=target_params, opt_state=opt_state, rnd=rnd,
                        step=step)

@@ -175,17 +175,14 @@ def _ready_time(tree) -> Callable[[], float]:
 def program_key_config(cfg: Config, name: str) -> Config:
     """The config that keys phase program ``name`` in the executable cache.
 
-    With curiosity off the training program does not depend on ``network.backend``: the Q
-    update always runs the Flax layers (a test lowers it under both backends and compares). So
-    then the key leaves the backend out, and a run of either backend loads the training program
-    that a run of the other compiled. Without that, JAX's persistent cache served the second
-    backend's training program, such programs are not stored (``jitcache.compile_cached``), and
-    each later start compiled it again from that cache: 1.04 s against 0.37 s on an H200
-    (BENCHMARKS.md). With curiosity on, ``network.backend=pallas`` runs the RND predictor's
-    update as a kernel (:func:`foxhunt_jax.agent.curiosity.loss_and_grad`), so the backend
-    stays in the key.
+    The training program does not depend on ``network.backend``: the update always runs the Flax
+    layers (a test lowers it under both backends and compares). So the key leaves the backend
+    out, and a run of either backend loads the training program that a run of the other
+    compiled. Without that, JAX's persistent cache served the second backend's training
+    program, such programs are not stored (``jitcache.compile_cached``), and each later start
+    compiled it again from that cache: 1.04 s against 0.37 s on an H200 (BENCHMARKS.md).
     """
-    if name != "training" or cfg.curiosity.coef > 0:
+    if name != "training":
         return cfg
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
 
