@@ -3,6 +3,8 @@ each against an independent float64 NumPy computation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -10,8 +12,10 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent import curiosity
-from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
+from foxhunt_jax.agent.network import (F32_FAST_PRECISION, F32_PRECISION,
+                                       F32_PRECISION_MIN_ROWS)
 from foxhunt_jax.config import CuriosityConfig
+from foxhunt_jax.errors import ConfigError
 
 CFG = CuriosityConfig(coef=0.3, hidden=32, embed=8, learning_rate=1e-3)
 D = 9
@@ -71,6 +75,41 @@ def test_prediction_error_matches_numpy_on_both_f32_algorithms(rows):
     obs = rng.standard_normal((rows, D)).astype(np.float32)
     raw = curiosity.prediction_error(state, jnp.asarray(obs))
     np.testing.assert_allclose(np.asarray(raw, np.float64), np_raw(state, obs), rtol=1e-5)
+
+
+def _dot_precisions(cfg, rows):
+    """The precision / algorithm of every dot of the curiosity pass over ``rows`` rows."""
+    state = curiosity.init(jax.random.key(0), D, cfg)
+    jaxpr = jax.make_jaxpr(curiosity.prediction_error)(state, jnp.zeros((rows, D), jnp.float32))
+    return [e.params["precision"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("precision,want", [("float32", F32_PRECISION),
+                                            ("auto", F32_PRECISION),
+                                            ("bf16x3", F32_FAST_PRECISION)])
+def test_precision_picks_the_pass_algorithm_and_keeps_small_batches_exact(precision, want):
+    """From F32_PRECISION_MIN_ROWS rows the pass runs the configured algorithm (an undecided
+    "auto" means float32); the predictor's update at a learner batch keeps true f32."""
+    cfg = dataclasses.replace(CFG, precision=precision)
+    big = _dot_precisions(cfg, F32_PRECISION_MIN_ROWS)
+    assert len(big) == 6 and all(p in (want, (want, want)) for p in big), big
+    small = _dot_precisions(cfg, 64)
+    highest = jax.lax.Precision.HIGHEST
+    assert len(small) == 6 and all(p in (highest, (highest, highest)) for p in small), small
+
+
+@pytest.mark.parametrize("dtype,want", [("bfloat16", "bf16x3"), ("float32", "float32")])
+def test_auto_precision_follows_the_q_network_dtype(dtype, want):
+    from foxhunt_jax.agent.learner import make_learner
+    from foxhunt_jax.config import load_config
+
+    learner = make_learner(load_config("smoke", [f"network.dtype={dtype}"]), (5, 3, 3))
+    assert learner.curiosity_cfg.precision == want
+    fixed = make_learner(load_config("smoke", [f"network.dtype={dtype}",
+                                               "curiosity.precision=float32"]), (5, 3, 3))
+    assert fixed.curiosity_cfg.precision == "float32"
+    with pytest.raises(ConfigError, match="curiosity.precision"):
+        load_config("smoke", ["curiosity.precision=tf32"])
 
 
 def test_coef_zero_reward_is_exactly_extrinsic():

@@ -23,6 +23,7 @@ Shapes: ``N``/``M`` observations, ``D`` observation width, ``E`` embedding width
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -38,17 +39,22 @@ _VAR_EPS = 1e-8  # keeps the normaliser finite when every raw error seen so far 
 
 
 class RNDNetwork(nn.Module):
-    """``[..., D] -> [..., E]`` MLP: two ReLU hidden layers of ``hidden`` units, linear output."""
+    """``[..., D] -> [..., E]`` MLP: two ReLU hidden layers of ``hidden`` units, linear output.
+
+    ``fast``: from 1,024 rows, three bf16 products per GEMM instead of f32-accurate ones
+    (:data:`~foxhunt_jax.agent.network.F32_FAST_PRECISION`).
+    """
 
     hidden: int
     embed: int
+    fast: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        # f32-accurate products (no TF32 on GPUs): late in a run the novelty is a small
-        # difference of two embeddings, which TF32 or bf16 get wrong by 8% to 117%
-        # (BENCHMARKS.md, session 3)
-        dense = lambda n, name: Dense(n, jnp.float32, name=name)
+        # never TF32 or one bf16 product: late in a run the novelty is a small difference of
+        # two embeddings, which those get wrong by 8% to 117%, bf16 x3 by 0.1% (BENCHMARKS.md,
+        # session 3)
+        dense = lambda n, name: Dense(n, jnp.float32, self.fast, name=name)
         x = nn.relu(dense(self.hidden, "hidden_0")(x))
         x = nn.relu(dense(self.hidden, "hidden_1")(x))
         return dense(self.embed, "out")(x)
@@ -77,7 +83,17 @@ class RNDState:
 
 
 def _network(cfg: CuriosityConfig) -> RNDNetwork:
-    return RNDNetwork(hidden=cfg.hidden, embed=cfg.embed)
+    # "auto" is decided by the learner (resolve_precision); left undecided it means float32
+    return RNDNetwork(hidden=cfg.hidden, embed=cfg.embed, fast=cfg.precision == "bf16x3")
+
+
+def resolve_precision(cfg: CuriosityConfig, network_dtype: str) -> CuriosityConfig:
+    """``cfg`` with ``precision="auto"`` decided: ``"bf16x3"`` for a bfloat16 Q-network (whose
+    own products round far more), else ``"float32"``."""
+    if cfg.precision != "auto":
+        return cfg
+    return dataclasses.replace(cfg, precision="bf16x3" if network_dtype == "bfloat16"
+                               else "float32")
 
 
 def _optimizer(cfg: CuriosityConfig) -> optax.GradientTransformation:
@@ -182,6 +198,6 @@ def update(state: RNDState, next_obs: jax.Array) -> tuple[RNDState, jax.Array]:
 
 
 __all__ = [
-    "RNDNetwork", "RNDState", "init", "prediction_error", "scale_bonus", "intrinsic_reward",
+    "RNDNetwork", "RNDState", "init", "resolve_precision", "prediction_error", "scale_bonus", "intrinsic_reward",
     "update_stats", "update",
 ]

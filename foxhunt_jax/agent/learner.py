@@ -82,7 +82,8 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
     # launches 31 fewer kernels (7% faster on an H200 at the seed's batch, BENCHMARKS.md)
     optimizer = optax.flatten(optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
                                           optax.adam(t.learning_rate, eps=t.adam_eps)))
-    return Learner(net, optimizer, net_cfg, t, cfg.replay, cfg.curiosity)
+    return Learner(net, optimizer, net_cfg, t, cfg.replay,
+                   curiosity.resolve_precision(cfg.curiosity, cfg.network.dtype))
 
 
 def resolve_backend(net_cfg) -> str:

@@ -41,12 +41,19 @@ _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Every float32 GEMM of the library's networks (Q and RND) goes through Dense and this rule.
 F32_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 F32_PRECISION_MIN_ROWS = 1024
+# Three bf16 products instead of six (the operands' two leading bf16 parts): a float32 layer may
+# ask for it where about 16 mantissa bits are enough (the curiosity pass of a bfloat16 run,
+# CuriosityConfig.precision); the GPU runs it 1.6x faster (BENCHMARKS.md, session 3)
+F32_FAST_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
-def f32_precision(rows: int):
-    """The algorithm of a float32 GEMM of ``rows`` rows (static): :data:`F32_PRECISION` from
-    :data:`F32_PRECISION_MIN_ROWS` rows, ``Precision.HIGHEST`` below."""
-    return F32_PRECISION if rows >= F32_PRECISION_MIN_ROWS else jax.lax.Precision.HIGHEST
+def f32_precision(rows: int, fast: bool = False):
+    """The algorithm of a float32 GEMM of ``rows`` rows (static): :data:`F32_PRECISION` (or,
+    with ``fast``, :data:`F32_FAST_PRECISION`) from :data:`F32_PRECISION_MIN_ROWS` rows,
+    ``Precision.HIGHEST`` below."""
+    if rows < F32_PRECISION_MIN_ROWS:
+        return jax.lax.Precision.HIGHEST
+    return F32_FAST_PRECISION if fast else F32_PRECISION
 
 
 class Dense(nn.Module):
@@ -55,13 +62,14 @@ class Dense(nn.Module):
     The matrix inputs (activations and kernel) are cast to ``compute_dtype`` and the product
     accumulates in float32 (``preferred_element_type``); the bias is added in float32. With
     ``compute_dtype=float32`` this is an ordinary f32 Dense layer with f32-accurate products
-    (:func:`f32_precision`).
+    (:func:`f32_precision`; ``fast_f32`` trades them for three bf16 products from 1,024 rows).
     The parameter names (``kernel [in, out]``, ``bias [out]``) and initializers match
     ``flax.linen.Dense``.
     """
 
     features: int
     compute_dtype: Any = jnp.float32
+    fast_f32: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -71,7 +79,8 @@ class Dense(nn.Module):
         # float32 means f32-accurate products (f32_precision), not TF32; under vmap the rows
         # seen here are one example's
         rows = math.prod(x.shape[:-1])
-        precision = f32_precision(rows) if self.compute_dtype == jnp.float32 else None
+        precision = (f32_precision(rows, self.fast_f32) if self.compute_dtype == jnp.float32
+                     else None)
         y = jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
                     precision=precision, preferred_element_type=jnp.float32)
         return y + bias
@@ -269,7 +278,8 @@ def param_count(params: Any) -> int:
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
 
 
-__all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "f32_precision",
+__all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
+           "f32_precision",
            "make_network", "init_params", "support", "expected_q", "greedy_actions",
            "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
            "flatten_params", "param_count"]
