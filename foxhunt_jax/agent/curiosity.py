@@ -18,6 +18,12 @@ Typical use in one epoch::
     rnd = update_stats(rnd, raw)                   # after the batch
     rnd, loss = update(rnd, next_obs_batch)        # in the learner step
 
+Precision: ``cfg.precision`` picks the algorithm of the GEMMs of 1,024 rows and more (the pass
+over collected observations): ``"float32"`` (bf16 x6, f32-accurate) or ``"bf16x3"`` (three bf16
+products; ~1e-3 relative error of the novelty late in a run); ``"auto"`` is decided by the
+learner from the Q-network's dtype (:func:`resolve_precision`). The predictor's update at a
+learner batch always multiplies in true f32.
+
 Shapes: ``N``/``M`` observations, ``D`` observation width, ``E`` embedding width.
 """
 
