@@ -6,6 +6,8 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rollout``: launch shapes (rows per program, warps, GEMM block width, weight blocks read
   ahead) of the fused rollout kernel at the seed workload's sizes (collect N = 1024 and
   evaluate N = 64, L = 100) and at N = 2^20;
+- ``rolloutpair``: the seed epoch's collection and validation rollouts in one program, as two
+  kernel launches against one (``fused_rollout_pair``), and each alone;
 - ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
   logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
   tail it used to compute;
@@ -69,7 +71,7 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
+SECTIONS = ("rollout", "rolloutpair", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
             "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
             "overlap")
 
@@ -166,6 +168,55 @@ def section_rollout(args, out: dict) -> None:
                 print(f"  rollout {mode} N={n} {shape}: FAILED {row['error']}", flush=True)
             out["rows"].append(row)
         del s, draws, resets, state
+
+
+def section_rolloutpair(args, out: dict) -> None:
+    """The seed epoch's two rollouts (collection at N = 1,024 on the train split, evaluation of
+    the 64 validation windows) one after the other in one program, against both in one kernel
+    launch (``fused_rollout_pair``), and each alone; same inputs, same process."""
+    from foxhunt_jax.env import trading
+    from foxhunt_jax.training import validate
+    from foxhunt_jax.training.collect import step_keys
+    from foxhunt_jax.training.fused import rollout_draws
+    from pallas_kernels.rollout import fused_rollout, fused_rollout_pair
+
+    L = args.length
+    s = _setup(args, "pallas", "bfloat16", args.small_n)
+    net, z = s.learner.network, s.learner.support
+    val_p = s.tr.env_params["validation"]
+    draws, resets = jax.jit(lambda p, k: rollout_draws(
+        net.branch_sizes, p, step_keys(k, L), args.small_n, jnp.float32(0.1)))(
+            s.env_p, jax.random.key(args.seed + 2))
+    starts = jnp.asarray(validate.window_starts(np.asarray(val_p.starts), args.val_n))
+    _, val_state = jax.jit(jax.vmap(trading.reset_at, in_axes=(0, None)))(starts, val_p)
+    first = dict(network=net, support=z, env_params=s.env_p, state=s.rollout.env_state,
+                 num_steps=L, draws=draws, reset_bars=resets)
+    second = dict(network=net, support=z, env_params=val_p, state=val_state, num_steps=L,
+                  mode="evaluate")
+    forms = {"collect alone": lambda p: fused_rollout(p, **first),
+             "evaluate alone": lambda p: fused_rollout(p, **second),
+             "both, two launches": lambda p: (fused_rollout(p, **first),
+                                              fused_rollout(p, **second)),
+             "both, one launch": lambda p: fused_rollout_pair(dict(first, params=p),
+                                                              dict(second, params=p))}
+    out["rows"], results = [], {}
+    for name, fn in forms.items():
+        if time.perf_counter() > args._deadline:
+            out.setdefault("skipped", []).append(name)
+            continue
+        f = jax.jit(fn)
+        t0 = time.perf_counter()
+        results[name] = jax.block_until_ready(f(s.agent.params))
+        row = {"form": name, "first_call_s": time.perf_counter() - t0,
+               **_timed(lambda: f(s.agent.params), args.reps)}
+        print(f"  {name}: {row['ms']:.3f} ms (first call {row['first_call_s']:.1f} s)",
+              flush=True)
+        out["rows"].append(row)
+    if "both, one launch" in results and "both, two launches" in results:
+        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                            results["both, one launch"], results["both, two launches"])
+        out["one_launch_equals_two"] = all(jax.tree.leaves(same))
+        print(f"  one launch equals two: {out['one_launch_equals_two']}", flush=True)
 
 
 def section_forward(args, out: dict) -> None:
