@@ -152,6 +152,36 @@ def test_queued_experience_gives_the_same_epochs():
     assert tr._queued is None and rec["epoch"] == 1
 
 
+def test_paired_validation_and_experience_give_the_same_epochs():
+    """With the Pallas backend (interpreted here) a queued epoch runs Validation and the next
+    Experience as one program, their rollout kernels in one launch: the same numbers as the
+    epochs run one phase at a time."""
+    cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
+                                "network.trunk=[32]", "network.head=16", "env.episode_length=8",
+                                "train.num_episodes=16", "train.train_steps=2"])
+
+    tr = trainer_mod.Trainer.build(cfg)
+
+    def run(queue):
+        state, recs = tr.init_state(), []
+        for e in range(2):
+            state, rec = tr.run_epoch(state, queue_next=queue and e < 1)
+            recs.append(rec)
+        return state, recs
+
+    (s0, r0), (s1, r1) = run(False), run(True)
+    assert tr.pairs_rollouts and "validation_experience" in tr._phases
+    assert without_timing(r0) == without_timing(r1)
+    for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # not paired: more than one shard, a launch shape of its own for each rollout, XLA
+    learner = tr.learner
+    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke", ["train.shards=2"]), None)
+    assert not trainer_mod.pairs_rollouts(
+        learner, load_config("smoke", ["train.num_episodes=16384"]), None)
+    assert not trainer_mod.Trainer.build(load_config("smoke")).pairs_rollouts
+
+
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
     r = cli("train", *SMOKE, "--set", "train.learning_rate=1e30", "--out", str(tmp_path / "d"))
     assert r.returncode == 3, (r.returncode, r.stderr[-2000:])

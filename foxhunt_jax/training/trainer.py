@@ -42,6 +42,7 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import fused, validate
 from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
+from foxhunt_jax.training.fused import paired_rollouts, use_rollout_kernel
 from foxhunt_jax.training.metrics import trading_metrics
 
 _P = trading.PORTFOLIO_DIM
@@ -145,6 +146,37 @@ def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: A
                                    cfg.env.episode_length, jax.random.key(0))
     loss = validate.validation_loss(learner, agent.params, agent.target_params, env_params, traj)
     return {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}, loss
+
+
+def validation_experience_phase(learner: Learner, cfg: Config, val_params, starts,
+                                train_params, state: TrainerState, schedule):
+    """:func:`validation_phase` of ``state.agent`` and then :func:`experience_phase` of the next
+    epoch in one program, their two rollout kernels launched as one
+    (:func:`~foxhunt_jax.training.fused.paired_rollouts`): the validation windows' few
+    programs and the collection's share the GPU. Both read the agent that Training left, and
+    Validation changes no state, so the results equal the two phases run one after the other.
+    Returns ``(val, val_loss, state, exp_stats)``.
+    """
+    def both():
+        val, val_loss = validation_phase(learner, cfg, val_params, starts, state.agent)
+        return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
+    return paired_rollouts(both)
+
+
+def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
+    """Whether a queued epoch runs Validation and the next Experience as one program
+    (:func:`validation_experience_phase`): both rollouts are kernels with one launch shape, on
+    one device and one shard (the collection kernel then is a call of the program itself)."""
+    from pallas_kernels.q_forward import block_rows_for
+    from pallas_kernels.rollout import rollout_config
+
+    n, w = cfg.train.num_episodes, cfg.train.validation_windows
+    if not (use_rollout_kernel(learner, n) and use_rollout_kernel(learner, w)):
+        return False
+    if cfg.train.shards != 1 or (mesh is not None and mesh.size != 1):
+        return False
+    kc = rollout_config(learner.network.dtype)
+    return block_rows_for(n, kc) == block_rows_for(w, kc)
 
 
 def _ready_time(tree) -> Callable[[], float]:
@@ -298,9 +330,23 @@ class Trainer:
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
         sched = self._schedule_device()
-        return {"experience": (exp, (tr, state, sched)),
-                "training": (trn, (tr, state, sched)),
-                "validation": (val, (va, self._val_starts_device(), self._local_agent(state)))}
+        programs = {"experience": (exp, (tr, state, sched)),
+                    "training": (trn, (tr, state, sched)),
+                    "validation": (val, (va, self._val_starts_device(),
+                                         self._local_agent(state)))}
+        if self.pairs_rollouts:
+            both = jit(lambda v, st, p, s, e: validation_experience_phase(lr, cfg, v, st, p, s, e),
+                       donate_argnums=3, in_shardings=(rep, rep, rep, sh, rep),
+                       out_shardings=(rep, rep, sh, rep))
+            programs["validation_experience"] = (both, (va, self._val_starts_device(), tr, state,
+                                                        sched))
+        return programs
+
+    @property
+    def pairs_rollouts(self) -> bool:
+        """Whether queued epochs run Validation and the next Experience as one program
+        (:func:`pairs_rollouts`)."""
+        return pairs_rollouts(self.learner, self.cfg, self.mesh)
 
     def compile(self, state: TrainerState, threads: bool = True) -> None:
         """Ahead-of-time compilation of the three phase functions (timed as Compile).
@@ -333,6 +379,9 @@ class Trainer:
         the GPU idle. The returned state is then the state *after* those two phases: pass it to
         the next ``run_epoch``, which picks them up, but do not checkpoint it (it is a phase
         ahead of the epoch counter). The numbers are the same either way (a test compares them).
+        Where :attr:`pairs_rollouts` holds, this Validation and the next Experience run as one
+        program (:func:`validation_experience_phase`): Validation's time then includes the next
+        Experience, whose own time reads about 0.
         """
         if self._phases is None:
             self.compile(state)
@@ -359,13 +408,25 @@ class Trainer:
         else:
             t0 = time.perf_counter()
             state, exp_stats, exp_done, learn, learn_done = experience_and_training(state)
-        val, val_loss = ph["validation"](va, self._val_starts_device(), self._local_agent(state))
-        # a thread, not this one: the queuing below may keep this thread busy past Validation's
-        # completion (an H200 run saw it noted ~10 ms late, BENCHMARKS.md, session 7)
-        val_done = _ready_time((val, val_loss))
-        if queue_next:  # donates `state` (Validation above was queued first)
-            nxt = experience_and_training(state)
-            state = nxt[0]
+        if queue_next and "validation_experience" in ph:
+            # Validation and the next epoch's Experience as one program (their rollout kernels
+            # in one launch); that Experience completes with this Validation
+            val, val_loss, state, exp_stats_next = ph["validation_experience"](
+                va, self._val_starts_device(), tr, state, sched)
+            val_done = _ready_time((val, val_loss))
+            exp_done_next = _ready_time(exp_stats_next)
+            state, learn_next = ph["training"](tr, state, sched)
+            nxt = (state, exp_stats_next, exp_done_next, learn_next, _ready_time(learn_next))
+        else:
+            val, val_loss = ph["validation"](va, self._val_starts_device(),
+                                             self._local_agent(state))
+            # a thread, not this one: the queuing below may keep this thread busy past
+            # Validation's completion (an H200 run saw it noted ~10 ms late, BENCHMARKS.md,
+            # session 7)
+            val_done = _ready_time((val, val_loss))
+            if queue_next:  # donates `state` (Validation above was queued first)
+                nxt = experience_and_training(state)
+                state = nxt[0]
         t1, t2, t3 = exp_done(), learn_done(), val_done()
         # A GPU runs the programs in queue order, but a CPU may run a queued Experience beside
         # the Validation before it (they share no data), and threads wake in any order: a phase
