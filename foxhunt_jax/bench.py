@@ -608,7 +608,7 @@ def child_main(args) -> dict:
         tr = _build_trainer(cfg, market)
         state = tr.init_state()
         init_ms = tr.init_ms
-        tr.compile(state)
+        tr.compile(state, queued=True)  # the programs of queued epochs, as the seed section's
         row = {"backend": backend, "dtype": dtype, "init_ms": init_ms,
                "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded}
         if args.epochs > 0:

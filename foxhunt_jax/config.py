@@ -120,6 +120,12 @@ class TrainConfig:
     # S: episodes, replay and batch are split into S shards (foxhunt_jax.parallel), placed on the
     # devices (a multiple of their count). S, not the device count, defines the results.
     shards: int = 1
+    # queued epochs (Trainer.run_epoch(queue_next=True)) run Validation and the next Experience
+    # as one program, their rollout kernels in one launch, where network.backend=pallas gives
+    # both one launch shape on one device and shard. Same numbers. On an H200 the seed epoch
+    # took 8.6 instead of 10.3-10.5 ms, but compiling the extra program doubled a cold compile
+    # (35 against 16-17 s), so it is off by default (docs/training.md).
+    pair_rollouts: bool = False
 
 
 @dataclass(frozen=True)

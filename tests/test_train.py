@@ -158,7 +158,8 @@ def test_paired_validation_and_experience_give_the_same_epochs():
     epochs run one phase at a time."""
     cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
                                 "network.trunk=[32]", "network.head=16", "env.episode_length=8",
-                                "train.num_episodes=16", "train.train_steps=2"])
+                                "train.num_episodes=16", "train.train_steps=2",
+                                "train.pair_rollouts=true"])
 
     tr = trainer_mod.Trainer.build(cfg)
 
@@ -170,16 +171,20 @@ def test_paired_validation_and_experience_give_the_same_epochs():
         return state, recs
 
     (s0, r0), (s1, r1) = run(False), run(True)
+    # compiled when the first queued epoch needed it, and reported as that epoch's Compile
     assert tr.pairs_rollouts and "validation_experience" in tr._phases
+    assert r1[0]["phase_ms"]["compile"] > 0 and r1[1]["phase_ms"]["compile"] == 0
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # not paired: more than one shard, a launch shape of its own for each rollout, XLA
-    learner = tr.learner
-    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke", ["train.shards=2"]), None)
+    learner, on = tr.learner, "train.pair_rollouts=true"
+    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke", [on, "train.shards=2"]),
+                                          None)
     assert not trainer_mod.pairs_rollouts(
-        learner, load_config("smoke", ["train.num_episodes=16384"]), None)
-    assert not trainer_mod.Trainer.build(load_config("smoke")).pairs_rollouts
+        learner, load_config("smoke", [on, "train.num_episodes=16384"]), None)
+    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke"), None)  # off by default
+    assert not trainer_mod.Trainer.build(load_config("smoke", [on])).pairs_rollouts  # xla
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):

@@ -165,12 +165,15 @@ def validation_experience_phase(learner: Learner, cfg: Config, val_params, start
 
 def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
     """Whether a queued epoch runs Validation and the next Experience as one program
-    (:func:`validation_experience_phase`): both rollouts are kernels with one launch shape, on
-    one device and one shard (the collection kernel then is a call of the program itself)."""
+    (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on, and both rollouts are
+    kernels with one launch shape, on one device and one shard (the collection kernel then is
+    a call of the program itself)."""
     from pallas_kernels.q_forward import block_rows_for
     from pallas_kernels.rollout import rollout_config
 
     n, w = cfg.train.num_episodes, cfg.train.validation_windows
+    if not cfg.train.pair_rollouts:
+        return False
     if not (use_rollout_kernel(learner, n) and use_rollout_kernel(learner, w)):
         return False
     if cfg.train.shards != 1 or (mesh is not None and mesh.size != 1):
@@ -313,9 +316,11 @@ class Trainer:
         self.init_ms += (time.perf_counter() - t0) * 1e3
         return state
 
-    def phase_programs(self, state: TrainerState) -> dict:
+    def phase_programs(self, state: TrainerState, queued: bool = False) -> dict:
         """The three phase functions, jitted with their placements, and example arguments:
-        ``{name: (jitted, args)}`` for experience, training and validation."""
+        ``{name: (jitted, args)}`` for experience, training and validation; with ``queued``
+        (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
+        ``validation_experience``."""
         lr, cfg = self.learner, self.cfg
         tr, va = self.env_params["train"], self.env_params["validation"]
         # The state keeps its placement from epoch to epoch (so donation reuses its buffers);
@@ -334,7 +339,7 @@ class Trainer:
                     "training": (trn, (tr, state, sched)),
                     "validation": (val, (va, self._val_starts_device(),
                                          self._local_agent(state)))}
-        if self.pairs_rollouts:
+        if queued and self.pairs_rollouts:
             both = jit(lambda v, st, p, s, e: validation_experience_phase(lr, cfg, v, st, p, s, e),
                        donate_argnums=3, in_shardings=(rep, rep, rep, sh, rep),
                        out_shardings=(rep, rep, sh, rep))
@@ -348,14 +353,24 @@ class Trainer:
         (:func:`pairs_rollouts`)."""
         return pairs_rollouts(self.learner, self.cfg, self.mesh)
 
-    def compile(self, state: TrainerState, threads: bool = True) -> None:
-        """Ahead-of-time compilation of the three phase functions (timed as Compile).
+    def compile(self, state: TrainerState, threads: bool = True, queued: bool = False) -> None:
+        """Ahead-of-time compilation of the phase functions (timed as Compile).
 
-        ``threads``: the three programs are traced, compiled (or loaded from the executable
-        cache) in three threads at once; XLA's compiler and the loading release the GIL.
+        ``threads``: the programs are traced, compiled (or loaded from the executable cache) in
+        threads at once; XLA's compiler and the loading release the GIL. ``queued``: also the
+        program that queued epochs use where :attr:`pairs_rollouts` holds (otherwise
+        :meth:`run_epoch` compiles it when a queued epoch first needs it).
         """
         t0 = time.perf_counter()
-        programs, cfg = self.phase_programs(state), self.cfg
+        self._phases = {}
+        self.executables_loaded = self._compile_programs(self.phase_programs(state, queued),
+                                                         threads)
+        self.compile_ms = (time.perf_counter() - t0) * 1e3
+
+    def _compile_programs(self, programs: dict, threads: bool) -> int:
+        """Compiles ``programs`` (:meth:`phase_programs`' form) into ``self._phases``; returns
+        how many the executable cache served."""
+        cfg = self.cfg
         # the executable cache (jitcache) skips tracing and lowering when a previous process
         # compiled the same program; with the cache off this is lower().compile()
         build = lambda name: compile_cached(*programs[name], name=name,  # noqa: E731
@@ -365,9 +380,8 @@ class Trainer:
                 done = dict(zip(programs, pool.map(build, programs)))
         else:
             done = {name: build(name) for name in programs}
-        self._phases = {name: compiled for name, (compiled, _) in done.items()}
-        self.executables_loaded = sum(int(loaded) for _, loaded in done.values())
-        self.compile_ms = (time.perf_counter() - t0) * 1e3
+        self._phases.update({name: compiled for name, (compiled, _) in done.items()})
+        return sum(int(loaded) for _, loaded in done.values())
 
     def run_epoch(self, state: TrainerState, queue_next: bool = False
                   ) -> tuple[TrainerState, dict]:
@@ -384,7 +398,13 @@ class Trainer:
         Experience, whose own time reads about 0.
         """
         if self._phases is None:
-            self.compile(state)
+            self.compile(state, queued=queue_next)
+        elif queue_next and self.pairs_rollouts and "validation_experience" not in self._phases:
+            # the first queued epoch of a trainer compiled without it (reported as Compile)
+            t0 = time.perf_counter()
+            name = "validation_experience"
+            self._compile_programs({name: self.phase_programs(state, queued=True)[name]}, False)
+            self.compile_ms += (time.perf_counter() - t0) * 1e3
         ph, ms = self._phases, {}
         tr, va = self.env_params["train"], self.env_params["validation"]
         sched = self._schedule_device()  # epsilon and beta follow state.epoch on the device
