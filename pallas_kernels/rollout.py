@@ -280,8 +280,9 @@ def fused_rollout_pair(first: dict, second: dict, *, interpret: bool | None = No
     leaves most multiprocessors idle for its whole length, and XLA runs two kernels of one
     program one after the other (BENCHMARKS.md, session 7). On an H200 the seed epoch's
     collection and validation rollouts took 2.99 ms in one launch, against 4.53 ms as two
-    (BENCHMARKS.md, session 10); the trainer does not pair them yet. Both must use the same
-    launch shape (``config``, and so the same rows per program).
+    (BENCHMARKS.md, session 10); the trainer pairs them with ``train.pair_rollouts``
+    (:func:`foxhunt_jax.training.fused.paired_rollouts`). Both must use the same launch shape
+    (``config``, and so the same rows per program).
     Returns ``(first_result, second_result)``, each as :func:`fused_rollout` returns.
     """
     calls = [_prepare(**{"mode": "collect", "draws": None, "reset_bars": None, "lengths": None,
