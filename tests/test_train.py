@@ -1,5 +1,6 @@
 """End-to-end trainer: run directory, resume after SIGKILL, NaN/Inf guard, CLI errors, README."""
 
+import dataclasses
 import json
 import os
 import re
@@ -157,7 +158,8 @@ def test_paired_validation_and_experience_give_the_same_epochs():
     Experience as one program, their rollout kernels in one launch: the same numbers as the
     epochs run one phase at a time."""
     cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
-                                "network.trunk=[32]", "network.head=16", "env.episode_length=8",
+                                "network.trunk=[16]", "network.head=16", "network.atoms=5",
+                                "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
                                 "train.num_episodes=16", "train.train_steps=2",
                                 "train.pair_rollouts=true"])
 
@@ -185,6 +187,13 @@ def test_paired_validation_and_experience_give_the_same_epochs():
         learner, load_config("smoke", [on, "train.num_episodes=16384"]), None)
     assert not trainer_mod.pairs_rollouts(learner, load_config("smoke"), None)  # off by default
     assert not trainer_mod.Trainer.build(load_config("smoke", [on])).pairs_rollouts  # xla
+    # the setting keys only the paired program: the others load from the executable cache
+    off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
+    for name in ("experience", "training", "validation"):
+        assert trainer_mod.program_key_config(cfg, name) == \
+            trainer_mod.program_key_config(off, name)
+    assert trainer_mod.program_key_config(cfg, "validation_experience") != \
+        trainer_mod.program_key_config(off, "validation_experience")
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):

@@ -7,7 +7,9 @@ metrics are read. Phase times (DESIGN 3.11) are measured with ``block_until_read
 phase's results: each phase from the previous phase's completion to its own (Experience from
 the call, or from the previous epoch's Validation when that epoch queued it). Init (data,
 tables, device upload, state) and Compile (ahead-of-time ``lower().compile()`` of the three
-phase functions) are reported on the first epoch a process runs.
+phase functions) are reported on the first epoch a process runs. With ``train.pair_rollouts``
+a queued epoch runs Validation and the next Experience as a fourth program
+(:func:`validation_experience_phase`).
 
 Data parallelism (DESIGN 3.13, :mod:`foxhunt_jax.parallel`): the state holds ``S =
 train.shards`` shards of episodes (rollout ``[S, N/S, ...]``) and of replay (``[S, C/S, ...]``),
@@ -216,7 +218,11 @@ def program_key_config(cfg: Config, name: str) -> Config:
     compiled. Without that, JAX's persistent cache served the second backend's training
     program, such programs are not stored (``jitcache.compile_cached``), and each later start
     compiled it again from that cache: 1.04 s against 0.37 s on an H200 (BENCHMARKS.md).
+    ``train.pair_rollouts`` only decides whether the ``validation_experience`` program exists,
+    so the other programs' keys leave it out.
     """
+    if name != "validation_experience":
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     if name != "training":
         return cfg
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
