@@ -164,8 +164,8 @@ class _Call:
     config: KernelConfig
 
 
-def _prepare(params, network, support, env_params, state, num_steps, mode, draws, reset_bars,
-             lengths, config) -> _Call:
+def _prepare(params, network, support, env_params, state, num_steps, mode="collect",
+             draws=None, reset_bars=None, lengths=None, config=None) -> _Call:
     """The kernel, operands and block specs of :func:`fused_rollout` (same arguments)."""
     if mode not in MODES:
         raise ValueError(f"fused_rollout: mode must be one of {MODES}, got {mode!r}")
@@ -285,9 +285,7 @@ def fused_rollout_pair(first: dict, second: dict, *, interpret: bool | None = No
     (``config``, and so the same rows per program).
     Returns ``(first_result, second_result)``, each as :func:`fused_rollout` returns.
     """
-    calls = [_prepare(**{"mode": "collect", "draws": None, "reset_bars": None, "lengths": None,
-                         "config": None, **kw}) for kw in (first, second)]
-    a, b = calls
+    a, b = _prepare(**first), _prepare(**second)
     if a.block_rows != b.block_rows or a.config != b.config:
         raise ValueError("fused_rollout_pair: both rollouts need one launch shape, got "
                          f"{a.block_rows} and {b.block_rows} rows a program")
@@ -321,4 +319,5 @@ def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:
     return jnp.stack([out[f"{prefix}{j}"] for j in range(P)], axis=-1)
 
 
-__all__ = ["fused_rollout", "fused_rollout_pair", "rollout_config", "portfolio", "MODES", "OUT_F", "OUT_I"]
+__all__ = ["fused_rollout", "fused_rollout_pair", "rollout_config", "portfolio", "MODES", "OUT_F",
+           "OUT_I"]

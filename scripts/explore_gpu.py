@@ -71,8 +71,8 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "forward", "loopform", "rnd", "learner", "compilecache", "compileopts",
-            "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
+SECTIONS = ("rollout", "rolloutpair", "forward", "loopform", "rnd", "learner", "compilecache",
+            "compileopts", "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
             "overlap")
 
 

@@ -279,7 +279,6 @@ def param_count(params: Any) -> int:
 
 
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
-           "f32_precision",
-           "make_network", "init_params", "support", "expected_q", "greedy_actions",
+           "f32_precision", "make_network", "init_params", "support", "expected_q", "greedy_actions",
            "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
            "flatten_params", "param_count"]

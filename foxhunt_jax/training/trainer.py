@@ -44,7 +44,6 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import fused, validate
 from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, start_shards
-from foxhunt_jax.training.fused import paired_rollouts, use_rollout_kernel
 from foxhunt_jax.training.metrics import trading_metrics
 
 _P = trading.PORTFOLIO_DIM
@@ -162,7 +161,7 @@ def validation_experience_phase(learner: Learner, cfg: Config, val_params, start
     def both():
         val, val_loss = validation_phase(learner, cfg, val_params, starts, state.agent)
         return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
-    return paired_rollouts(both)
+    return fused.paired_rollouts(both)
 
 
 def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
@@ -176,7 +175,7 @@ def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
     n, w = cfg.train.num_episodes, cfg.train.validation_windows
     if not cfg.train.pair_rollouts:
         return False
-    if not (use_rollout_kernel(learner, n) and use_rollout_kernel(learner, w)):
+    if not (fused.use_rollout_kernel(learner, n) and fused.use_rollout_kernel(learner, w)):
         return False
     if cfg.train.shards != 1 or (mesh is not None and mesh.size != 1):
         return False
