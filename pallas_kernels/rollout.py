@@ -149,24 +149,26 @@ def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
     return jnp.concatenate([x, jnp.broadcast_to(x[..., :1], x.shape[:-1] + (extra,))], axis=-1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """A rollout's kernel and launch arguments, before launching (:func:`_prepare`)."""
+def fused_rollout(params: Any, network, support: jax.Array, env_params, state, num_steps: int,
+                  *, mode: str = "collect", draws: jax.Array | None = None,
+                  reset_bars: jax.Array | None = None, lengths: jax.Array | None = None,
+                  config: KernelConfig | None = None, interpret: bool | None = None):
+    """``num_steps`` steps of N trading episodes under the network's (epsilon-)greedy policy.
 
-    kernel: Any
-    inputs: list
-    in_specs: list
-    out_shape: tuple
-    out_specs: tuple
-    grid: int
-    block_rows: int
-    n: int
-    config: KernelConfig
-
-
-def _prepare(params, network, support, env_params, state, num_steps, mode="collect",
-             draws=None, reset_bars=None, lengths=None, config=None) -> _Call:
-    """The kernel, operands and block specs of :func:`fused_rollout` (same arguments)."""
+    Args:
+      params, network, support: the ``QNetwork``, its parameters and the ``[K]`` atom values.
+      env_params: :class:`~foxhunt_jax.env.trading.EnvParams` of the split.
+      state: the batched ``EnvState`` (fields ``[N]``) the rollout starts from.
+      mode: ``"collect"``: finished episodes restart at ``reset_bars [L, N]`` (int32 start
+        bars); ``"evaluate"``: episode n runs ``lengths[n]`` steps (default L) or until ruin,
+        then stays frozen (``alive`` False).
+      draws: ``[L, N, B]`` int32 from :func:`~foxhunt_jax.agent.network.explore_draws` (-1 =
+        greedy), or None for the greedy policy.
+    Returns:
+      ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
+      ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them);
+      ``end_state`` is the ``EnvState`` after the last step.
+    """
     if mode not in MODES:
         raise ValueError(f"fused_rollout: mode must be one of {MODES}, got {mode!r}")
     if (mode == "collect") != (reset_bars is not None):
@@ -227,13 +229,9 @@ def _prepare(params, network, support, env_params, state, num_steps, mode="colle
                   "has_stop_loss": env_params.has_stop_loss}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
                                draws is not None, L, env_static)
-    return _Call(kernel, inputs, specs, out_shape, out_specs, rows // bm, bm, n, config)
+    out_f, out_i, end_f, end_i = launch(kernel, "fused_rollout", config, bm, rows // bm, specs,
+                                        out_specs, out_shape, interpret)(*inputs)
 
-
-def _unpack(call: _Call, outs) -> tuple[dict, Any]:
-    """The kernel's four outputs -> ``(out, end_state)`` of :func:`fused_rollout`."""
-    out_f, out_i, end_f, end_i = outs
-    n = call.n
     out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
     out.update({name: out_i[:, c, :n] for c, name in enumerate(OUT_I)})
     for name in ("terminated", "truncated", "traded", "alive"):
@@ -244,80 +242,9 @@ def _unpack(call: _Call, outs) -> tuple[dict, Any]:
     return out, trading.EnvState(**fields)
 
 
-def fused_rollout(params: Any, network, support: jax.Array, env_params, state, num_steps: int,
-                  *, mode: str = "collect", draws: jax.Array | None = None,
-                  reset_bars: jax.Array | None = None, lengths: jax.Array | None = None,
-                  config: KernelConfig | None = None, interpret: bool | None = None):
-    """``num_steps`` steps of N trading episodes under the network's (epsilon-)greedy policy.
-
-    Args:
-      params, network, support: the ``QNetwork``, its parameters and the ``[K]`` atom values.
-      env_params: :class:`~foxhunt_jax.env.trading.EnvParams` of the split.
-      state: the batched ``EnvState`` (fields ``[N]``) the rollout starts from.
-      mode: ``"collect"``: finished episodes restart at ``reset_bars [L, N]`` (int32 start
-        bars); ``"evaluate"``: episode n runs ``lengths[n]`` steps (default L) or until ruin,
-        then stays frozen (``alive`` False).
-      draws: ``[L, N, B]`` int32 from :func:`~foxhunt_jax.agent.network.explore_draws` (-1 =
-        greedy), or None for the greedy policy.
-    Returns:
-      ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
-      ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them);
-      ``end_state`` is the ``EnvState`` after the last step.
-    """
-    call = _prepare(params, network, support, env_params, state, num_steps, mode, draws,
-                    reset_bars, lengths, config)
-    outs = launch(call.kernel, "fused_rollout", call.config, call.block_rows, call.grid,
-                  call.in_specs, call.out_specs, call.out_shape, interpret)(*call.inputs)
-    return _unpack(call, outs)
-
-
-def fused_rollout_pair(first: dict, second: dict, *, interpret: bool | None = None):
-    """Two rollouts in one kernel launch: ``fused_rollout(**first)`` and
-    ``fused_rollout(**second)``, each the same as alone, side by side on the GPU.
-
-    The grid holds the first rollout's programs, then the second's; each program runs its own
-    rollout's kernel. Why: a rollout of few episodes (the 64 validation windows: 4 programs)
-    leaves most multiprocessors idle for its whole length, and XLA runs two kernels of one
-    program one after the other (BENCHMARKS.md, session 7). On an H200 the seed epoch's
-    collection and validation rollouts took 2.99 ms in one launch, against 4.53 ms as two
-    (BENCHMARKS.md, session 10); the trainer pairs them with ``train.pair_rollouts``
-    (:func:`foxhunt_jax.training.fused.paired_rollouts`). Both must use the same launch shape
-    (``config``, and so the same rows per program).
-    Returns ``(first_result, second_result)``, each as :func:`fused_rollout` returns.
-    """
-    a, b = _prepare(**first), _prepare(**second)
-    if a.block_rows != b.block_rows or a.config != b.config:
-        raise ValueError("fused_rollout_pair: both rollouts need one launch shape, got "
-                         f"{a.block_rows} and {b.block_rows} rows a program")
-
-    def shifted(spec, lo, hi):  # this rollout's block of program i, clamped to its programs
-        return pl.BlockSpec(spec.block_shape, lambda i, _m=spec.index_map: _m(
-            jnp.clip(i - lo, 0, hi - 1)))
-
-    in_specs = ([shifted(sp, 0, a.grid) for sp in a.in_specs]
-                + [shifted(sp, a.grid, b.grid) for sp in b.in_specs])
-    out_specs = (tuple(shifted(sp, 0, a.grid) for sp in a.out_specs)
-                 + tuple(shifted(sp, a.grid, b.grid) for sp in b.out_specs))
-    n_in, n_out = (len(a.inputs), len(b.inputs)), (len(a.out_shape), len(b.out_shape))
-
-    def kernel(*refs):
-        ins_a, ins_b = refs[:n_in[0]], refs[n_in[0]:sum(n_in)]
-        outs = refs[sum(n_in):]
-        outs_a, outs_b = outs[:n_out[0]], outs[n_out[0]:]
-        first_program = pl.program_id(0) < a.grid
-        pl.when(first_program)(lambda: a.kernel(*ins_a, *outs_a))
-        pl.when(jnp.logical_not(first_program))(lambda: b.kernel(*ins_b, *outs_b))
-
-    outs = launch(kernel, "fused_rollout_pair", a.config, a.block_rows, a.grid + b.grid,
-                  in_specs, out_specs, a.out_shape + b.out_shape,
-                  interpret)(*a.inputs, *b.inputs)
-    return _unpack(a, outs[:n_out[0]]), _unpack(b, outs[n_out[0]:])
-
-
 def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:
     """The ``[L, N, P]`` portfolio observation (``prefix="next_portfolio"``: after the step)."""
     return jnp.stack([out[f"{prefix}{j}"] for j in range(P)], axis=-1)
 
 
-__all__ = ["fused_rollout", "fused_rollout_pair", "rollout_config", "portfolio", "MODES", "OUT_F",
-           "OUT_I"]
+__all__ = ["fused_rollout", "rollout_config", "portfolio", "MODES", "OUT_F", "OUT_I"]

@@ -6,8 +6,9 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rollout``: launch shapes (rows per program, warps, GEMM block width, weight blocks read
   ahead) of the fused rollout kernel at the seed workload's sizes (collect N = 1024 and
   evaluate N = 64, L = 100) and at N = 2^20;
-- ``rolloutpair``: the seed epoch's collection and validation rollouts in one program, as two
-  kernel launches against one (``fused_rollout_pair``), and each alone;
+- ``rolloutpair``: the seed epoch's collection and validation rollouts as two kernel launches of
+  one program, with command buffers scheduled as a DAG (the library's) and serialized, and each
+  alone;
 - ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
   logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
   tail it used to compute;
@@ -173,13 +174,15 @@ def section_rollout(args, out: dict) -> None:
 
 def section_rolloutpair(args, out: dict) -> None:
     """The seed epoch's two rollouts (collection at N = 1,024 on the train split, evaluation of
-    the 64 validation windows) one after the other in one program, against both in one kernel
-    launch (``fused_rollout_pair``), and each alone; same inputs, same process."""
+    the 64 validation windows) as two kernel launches of one program, with the library's XLA
+    options (command buffers scheduled as a DAG: the launches run at once) and with command
+    buffers serialized, and each alone; same inputs, same process."""
     from foxhunt_jax.env import trading
+    from foxhunt_jax.jitcache import SCHEDULING_OPTION
     from foxhunt_jax.training import validate
     from foxhunt_jax.training.collect import step_keys
     from foxhunt_jax.training.fused import rollout_draws
-    from pallas_kernels.rollout import fused_rollout, fused_rollout_pair
+    from pallas_kernels.rollout import fused_rollout
 
     L = args.length
     s = _setup(args, "pallas", "bfloat16", args.small_n)
@@ -194,30 +197,26 @@ def section_rolloutpair(args, out: dict) -> None:
                  num_steps=L, draws=draws, reset_bars=resets)
     second = dict(network=net, support=z, env_params=val_p, state=val_state, num_steps=L,
                   mode="evaluate")
-    forms = {"collect alone": lambda p: fused_rollout(p, **first),
-             "evaluate alone": lambda p: fused_rollout(p, **second),
-             "both, two launches": lambda p: (fused_rollout(p, **first),
-                                              fused_rollout(p, **second)),
-             "both, one launch": lambda p: fused_rollout_pair(dict(first, params=p),
-                                                              dict(second, params=p))}
+    both = lambda p: (fused_rollout(p, **first), fused_rollout(p, **second))  # noqa: E731
+    library = compiler_options()
+    forms = {"collect alone": (lambda p: fused_rollout(p, **first), library),
+             "evaluate alone": (lambda p: fused_rollout(p, **second), library),
+             "both, two launches": (both, library),
+             "both, two launches, command buffers serialized":
+                 (both, {**library, SCHEDULING_OPTION: "SERIALIZE"})}
     out["rows"], results = [], {}
-    for name, fn in forms.items():
+    for name, (fn, opts) in forms.items():
         if time.perf_counter() > args._deadline:
             out.setdefault("skipped", []).append(name)
             continue
-        f = jax.jit(fn)
         t0 = time.perf_counter()
+        f = jax.jit(fn, compiler_options=opts or None).lower(s.agent.params).compile()
         results[name] = jax.block_until_ready(f(s.agent.params))
-        row = {"form": name, "first_call_s": time.perf_counter() - t0,
+        row = {"form": name, "options": opts, "first_call_s": time.perf_counter() - t0,
                **_timed(lambda: f(s.agent.params), args.reps)}
-        print(f"  {name}: {row['ms']:.3f} ms (first call {row['first_call_s']:.1f} s)",
-              flush=True)
+        print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "
+              "s)", flush=True)
         out["rows"].append(row)
-    if "both, one launch" in results and "both, two launches" in results:
-        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
-                            results["both, one launch"], results["both, two launches"])
-        out["one_launch_equals_two"] = all(jax.tree.leaves(same))
-        print(f"  one launch equals two: {out['one_launch_equals_two']}", flush=True)
 
 
 def section_forward(args, out: dict) -> None:
@@ -406,8 +405,19 @@ def _options(variant: str) -> dict:
     return out
 
 
+def _side_stream(fn, stream: int = 1):
+    """``fn`` as a call on CUDA stream ``stream`` of its own (XLA's stream annotation); the
+    ``compute_on`` form of jax 0.11 and 0.10 (``compute_on2``)."""
+    from jax.experimental import compute_on as co
+
+    annotate = getattr(co, "compute_on2", co.compute_on)
+    return annotate(jax.jit(fn), compute_type=f"gpu_stream:{stream}",
+                    out_memory_spaces=jax.memory.Space.Device)
+
+
 def section_learner(args, out: dict) -> None:
     """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
+    from foxhunt_jax.agent import curiosity as curiosity_mod
     from foxhunt_jax.agent import learner as learner_mod
     from foxhunt_jax.agent import loss as loss_mod
     from foxhunt_jax.agent import network as network_mod
@@ -456,6 +466,10 @@ def section_learner(args, out: dict) -> None:
                 swaps.append((loss_mod, "_select", _gather_select))  # before session 9
             elif variant == "all_bf16x6":  # f32 GEMMs of any size in bf16 x6 (RND update)
                 swaps.append((network_mod, "F32_PRECISION_MIN_ROWS", 0))
+            elif variant == "rnd_side_stream":  # the RND predictor's update on a CUDA
+                # stream of its own (it shares no data with the Q-network's update)
+                swaps.append((curiosity_mod, "update",
+                              lambda r, o, _u=curiosity_mod.update: _side_stream(_u)(r, o)))
             elif variant == "f32_as_bf16":  # a diagnostic, not a candidate (inaccurate): every
                 # f32 GEMM as one bf16 product, so the RND update's are cheap
                 swaps += [(network_mod, "F32_PRECISION_MIN_ROWS", 0),
@@ -484,6 +498,7 @@ def section_learner(args, out: dict) -> None:
                 row["compile_s"] = time.perf_counter() - t0
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
+                row["async_calls"] = text.count("call-start(")
                 if args.hlo_dir:
                     Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (Path(args.hlo_dir) / f"learner_{dtype}_{variant}_u{unroll}.hlo.txt"
@@ -961,12 +976,15 @@ def _gpu_events(path: str) -> tuple[list, list, list, list]:
 
 
 def section_overlap(args, out: dict) -> None:
-    """One epoch's Validation beside the next epoch's Experience in one program, against the two
-    programs one after the other (the trainer's order). Both only read the agent that Training
-    left, and the validation rollout kernel fills 4 of the GPU's multiprocessors at the seed's 64
-    windows: does XLA run them at once? Same inputs (nothing donated), medians of ``reps`` calls.
-    """
-    from foxhunt_jax.training.trainer import experience_phase, validation_phase
+    """One epoch's Validation beside the next epoch's Experience in one program (the trainer's
+    ``validation_experience_phase``), against the two programs one after the other. Both only
+    read the agent that Training left, and the validation rollout kernel fills 4 of the GPU's
+    multiprocessors at the seed's 64 windows: does XLA run them at once? With the library's XLA
+    options and with command buffers serialized; same inputs (nothing donated), medians of
+    ``reps`` calls."""
+    from foxhunt_jax.jitcache import SCHEDULING_OPTION
+    from foxhunt_jax.training.trainer import (experience_phase, validation_experience_phase,
+                                              validation_phase)
 
     backend, dtype = _child_variant(args)
     tr = _trainer(args, backend, dtype)
@@ -976,14 +994,21 @@ def section_overlap(args, out: dict) -> None:
         state, _ = tr.run_epoch(state)
     trp, vap = tr.env_params["train"], tr.env_params["validation"]
     sched, starts = tr._schedule_device(), tr._val_starts_device()
-    exp = jax.jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e))
-    val = jax.jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
-    both = jax.jit(lambda p, s, e, q, st: (validation_phase(lr, cfg, q, st, s.agent),
-                                           experience_phase(lr, cfg, p, s, e)))
+    library = compiler_options()
+    jit = lambda f, opts=library: jax.jit(f, compiler_options=opts or None)  # noqa: E731
+    exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e))
+    val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
+
+    def paired(q, st, p, s, e):  # in the other forms' layout: (val, val_loss), (s, stats)
+        v, loss, s, stats = validation_experience_phase(lr, cfg, q, st, p, s, e)
+        return (v, loss), (s, stats)
+    both = jit(paired)
+    serialized = jit(paired, {**library, SCHEDULING_OPTION: "SERIALIZE"})
     calls = {"experience": lambda: exp(trp, state, sched),
              "validation": lambda: val(vap, starts, state.agent),
              "one_after_other": lambda: (val(vap, starts, state.agent), exp(trp, state, sched)),
-             "one_program": lambda: both(trp, state, sched, vap, starts)}
+             "one_program": lambda: both(vap, starts, trp, state, sched),
+             "one_program_serialized": lambda: serialized(vap, starts, trp, state, sched)}
     out["rows"] = []
     for name, fn in calls.items():
         row = {"variant": name, **_timed(fn, args.reps)}

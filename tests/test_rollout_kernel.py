@@ -24,7 +24,7 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.training import collect, validate
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
 from pallas_kernels import q_forward as qf
-from pallas_kernels.rollout import fused_rollout, fused_rollout_pair
+from pallas_kernels.rollout import fused_rollout
 
 # float32 GEMMs: in bfloat16 the kernel and XLA sum each product in a different order, and a
 # last-bit difference that flips the bf16 rounding of one activation can flip a near-tied greedy
@@ -197,35 +197,6 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
             fused_rollout(p, net, z, params, s, steps, mode="evaluate", config=_c)))(
                 agent.params, state))
     chex.assert_trees_all_equal(runs[1], runs[0])
-
-
-def test_two_rollouts_in_one_launch_lower_for_cuda_on_this_cpu(tables, monkeypatch):
-    """``fused_rollout_pair`` (a collection and an evaluation with different episode counts in
-    one launch) lowers for a CUDA GPU; that it equals two launches is tested through the
-    trainer (test_train.py, paired epochs) and, bit for bit, on the GPU (BENCHMARKS.md)."""
-    _, train_p, learner = _setup(tables, "pallas")
-    _, val_p, _ = _setup(tables, "pallas", split="validation")
-    agent = _agent(learner, train_p, 0)
-    steps, n_c, n_e = 3, 20, 12
-    _, s_c = jax.vmap(trading.reset_at, in_axes=(0, None))(train_p.starts[:n_c], train_p)
-    _, s_e = jax.vmap(trading.reset_at, in_axes=(0, None))(val_p.starts[:n_e], val_p)
-    resets = jnp.broadcast_to(train_p.starts[n_c:2 * n_c], (steps, n_c))
-    draws = jnp.full((steps, n_c, 3), -1, jnp.int32)
-    kc = qf.KernelConfig(block_rows=16, num_warps=4, min_rows=16)
-    net, z = learner.network, learner.support
-    first = dict(network=net, support=z, env_params=train_p, state=s_c, num_steps=steps,
-                 draws=draws, reset_bars=resets, config=kc)
-    second = dict(network=net, support=z, env_params=val_p, state=s_e, num_steps=steps,
-                  mode="evaluate", config=kc)
-    monkeypatch.setattr(qf, "on_cuda", lambda: True)
-    text = jax.jit(lambda p: fused_rollout_pair(dict(first, params=p), dict(second, params=p),
-                                                interpret=False)).trace(agent.params).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text and "fused_rollout_pair" in text
-    with pytest.raises(ValueError, match="one launch shape"):
-        fused_rollout_pair(dict(first, params=agent.params),
-                           dict(second, params=agent.params,
-                                config=dataclasses.replace(kc, block_rows=32, min_rows=32)))
 
 
 def test_validation_loss_backends_agree(tables):

@@ -1,6 +1,7 @@
 """End-to-end trainer: run directory, resume after SIGKILL, NaN/Inf guard, CLI errors, README."""
 
 import dataclasses
+from types import SimpleNamespace
 import json
 import os
 import re
@@ -154,15 +155,12 @@ def test_queued_experience_gives_the_same_epochs():
 
 
 def test_paired_validation_and_experience_give_the_same_epochs():
-    """With the Pallas backend (interpreted here) a queued epoch runs Validation and the next
-    Experience as one program, their rollout kernels in one launch: the same numbers as the
-    epochs run one phase at a time."""
-    cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
-                                "network.trunk=[16]", "network.head=16", "network.atoms=5",
+    """With ``train.pair_rollouts`` a queued epoch runs Validation and the next Experience as one
+    program: the same numbers as the epochs run one phase at a time."""
+    cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
                                 "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
                                 "train.num_episodes=16", "train.train_steps=2",
                                 "train.pair_rollouts=true"])
-
     tr = trainer_mod.Trainer.build(cfg)
 
     def run(queue):
@@ -179,14 +177,11 @@ def test_paired_validation_and_experience_give_the_same_epochs():
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # not paired: more than one shard, a launch shape of its own for each rollout, XLA
-    learner, on = tr.learner, "train.pair_rollouts=true"
-    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke", [on, "train.shards=2"]),
+    # not paired: the setting off, or a mesh of several devices (Validation runs on one)
+    assert not trainer_mod.pairs_rollouts(load_config("smoke", ["train.pair_rollouts=false"]),
                                           None)
-    assert not trainer_mod.pairs_rollouts(
-        learner, load_config("smoke", [on, "train.num_episodes=16384"]), None)
-    assert not trainer_mod.pairs_rollouts(learner, load_config("smoke"), None)  # off by default
-    assert not trainer_mod.Trainer.build(load_config("smoke", [on])).pairs_rollouts  # xla
+    assert not trainer_mod.pairs_rollouts(cfg, SimpleNamespace(size=2))
+    assert trainer_mod.pairs_rollouts(cfg, SimpleNamespace(size=1))
     # the setting keys only the paired program: the others load from the executable cache
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     for name in ("experience", "training", "validation"):

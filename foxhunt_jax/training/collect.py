@@ -144,16 +144,10 @@ def collect_shards(learner: Learner, adapter: EnvAdapter, env_params, agent: Age
     from foxhunt_jax.parallel import per_device, shard_keys
 
     s = rollouts.obs.shape[0]
-    one = lambda r, k, a, p, e: _collect(learner, adapter, p, a, r, k, e, num_steps)  # noqa: E731
-    if s == 1 and (mesh is None or mesh.size == 1):
-        # one shard, unbatched: its rollout kernel is a call of this program's own, which
-        # fused.paired_rollouts can launch together with another
-        run = lambda r, k, *rest: jax.tree.map(  # noqa: E731
-            lambda x: x[None], one(jax.tree.map(lambda x: x[0], r), k[0], *rest))
-    else:
-        run = jax.vmap(one, in_axes=(0, 0, None, None, None))
-        if mesh is not None and mesh.size > 1:
-            run = per_device(run, mesh, sharded=2, replicated=3)
+    run = jax.vmap(lambda r, k, a, p, e: _collect(learner, adapter, p, a, r, k, e, num_steps),
+                   in_axes=(0, 0, None, None, None))
+    if mesh is not None and mesh.size > 1:
+        run = per_device(run, mesh, sharded=2, replicated=3)
     rollouts, items, priorities, novelty, stats = run(rollouts, shard_keys(key, s), agent,
                                                       env_params, epsilon)
     rnd = agent.rnd

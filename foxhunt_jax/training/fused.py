@@ -12,10 +12,6 @@ the results have the scan's layout, so the two backends are interchangeable and 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -28,69 +24,6 @@ from foxhunt_jax.env import trading
 # 53k). The kernel holds every episode's state and the whole network's activations in one
 # program's registers, which pays while launches dominate and costs occupancy once they do not.
 MAX_KERNEL_EPISODES = 1 << 15
-
-
-# What the rollout-kernel calls of this module do: launch (None) or, inside paired_rollouts,
-# record their arguments or hand out the results of a paired launch
-_ROLLOUT_HOOK: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "rollout_hook", default=None)
-
-
-def _rollout(**kwargs):
-    """:func:`pallas_kernels.rollout.fused_rollout`, or what :func:`paired_rollouts` put in its
-    place."""
-    from pallas_kernels.rollout import fused_rollout
-
-    hook = _ROLLOUT_HOOK.get()
-    return fused_rollout(**kwargs) if hook is None else hook(kwargs)
-
-
-@contextlib.contextmanager
-def _hooked(hook):
-    token = _ROLLOUT_HOOK.set(hook)
-    try:
-        yield
-    finally:
-        _ROLLOUT_HOOK.reset(token)
-
-
-def paired_rollouts(fn: Callable):
-    """``fn()`` (traced inside a jitted function) with its two rollout kernels launched as one
-    (:func:`pallas_kernels.rollout.fused_rollout_pair`): the same result, while the two
-    rollouts share the GPU instead of running one after the other (BENCHMARKS.md, session 10).
-
-    ``fn`` is traced twice: first its two kernel calls only record their arguments (and get
-    zeros, whose uses XLA removes as dead code), then the pair runs on the recorded arguments
-    and the second trace gets its results, call by call in the same order. The arguments of
-    both traces are computed from the same inputs by the same code, so they are equal. ``fn``
-    must make exactly two such calls, with the same launch shape, at the top level of the trace
-    (not under ``vmap``).
-    """
-    from pallas_kernels.rollout import fused_rollout, fused_rollout_pair
-
-    calls = []
-
-    def record(kwargs):
-        calls.append(kwargs)
-        shapes = jax.eval_shape(lambda: fused_rollout(**kwargs))
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    with _hooked(record):
-        fn()
-    if len(calls) != 2:
-        raise ValueError(f"paired_rollouts: fn must launch two rollout kernels, it launched "
-                         f"{len(calls)}")
-    results = iter(fused_rollout_pair(*calls))
-    modes = iter(kw.get("mode", "collect") for kw in calls)
-
-    def replay(kwargs):
-        if kwargs.get("mode", "collect") != next(modes):
-            raise AssertionError("paired_rollouts: the second trace called the kernels in "
-                                 "another order")
-        return next(results)
-
-    with _hooked(replay):
-        return fn()
 
 
 def use_rollout_kernel(learner, num_episodes: int) -> bool:
@@ -116,14 +49,13 @@ def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Arr
     """The ``fused`` backend of :func:`foxhunt_jax.training.collect.trajectory` for the trading
     env; ``keys [L, 3]`` are :func:`~foxhunt_jax.training.collect.step_keys`."""
     from foxhunt_jax.training.collect import Rollout
-    from pallas_kernels.rollout import portfolio
+    from pallas_kernels.rollout import fused_rollout, portfolio
 
     net = learner.network
     draws, reset_bars = rollout_draws(net.branch_sizes, env_params, keys, rollout.obs.shape[0],
                                       epsilon)
-    out, end = _rollout(params=agent_params, network=net, support=learner.support,
-                        env_params=env_params, state=rollout.env_state, num_steps=num_steps,
-                        mode="collect", draws=draws, reset_bars=reset_bars)
+    out, end = fused_rollout(agent_params, net, learner.support, env_params, rollout.env_state,
+                             num_steps, mode="collect", draws=draws, reset_bars=reset_bars)
     traj = {"obs": {"bar": out["bar"], "portfolio": portfolio(out)},
             "next_obs": {"bar": out["next_bar"], "portfolio": portfolio(out, "next_portfolio")},
             "action": out["action"], "reward": out["reward"], "terminated": out["terminated"],
@@ -136,15 +68,14 @@ def evaluate_trajectory(learner, agent_params, env_params, starts: jax.Array, nu
                         lengths: jax.Array | None = None) -> dict:
     """Greedy episodes from ``starts [W]`` without reset, as raw ``[L, W]`` step results
     (:func:`pallas_kernels.rollout.fused_rollout` in ``evaluate`` mode); the caller masks them."""
-    from pallas_kernels.rollout import portfolio
+    from pallas_kernels.rollout import fused_rollout, portfolio
 
     _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
-    out, _ = _rollout(params=agent_params, network=learner.network, support=learner.support,
-                      env_params=env_params, state=state, num_steps=num_steps, mode="evaluate",
-                      lengths=lengths)
+    out, _ = fused_rollout(agent_params, learner.network, learner.support, env_params, state,
+                           num_steps, mode="evaluate", lengths=lengths)
     return dict(out, portfolio=portfolio(out), next_portfolio=portfolio(out, "next_portfolio"),
                 step=jnp.arange(num_steps, dtype=jnp.int32)[:, None])
 
 
 __all__ = ["collect_trajectory", "evaluate_trajectory", "rollout_draws", "use_rollout_kernel",
-           "paired_rollouts", "MAX_KERNEL_EPISODES"]
+           "MAX_KERNEL_EPISODES"]

@@ -151,36 +151,23 @@ def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: A
 
 def validation_experience_phase(learner: Learner, cfg: Config, val_params, starts,
                                 train_params, state: TrainerState, schedule):
-    """:func:`validation_phase` of ``state.agent`` and then :func:`experience_phase` of the next
-    epoch in one program, their two rollout kernels launched as one
-    (:func:`~foxhunt_jax.training.fused.paired_rollouts`): the validation windows' few
-    programs and the collection's share the GPU. Both read the agent that Training left, and
-    Validation changes no state, so the results equal the two phases run one after the other.
-    Returns ``(val, val_loss, state, exp_stats)``.
+    """:func:`validation_phase` of ``state.agent`` and :func:`experience_phase` of the next
+    epoch in one program. They share no data, so a GPU runs them at once: XLA's command
+    buffers, scheduled as a DAG (:func:`foxhunt_jax.jitcache.compiler_options`), launch the
+    validation rollout, which fills few of the GPU's multiprocessors, beside the collection
+    (BENCHMARKS.md, session 11). Both read the agent that Training left, and Validation changes
+    no state, so the results equal the two phases run one after the other. Returns ``(val,
+    val_loss, state, exp_stats)``.
     """
-    def both():
-        val, val_loss = validation_phase(learner, cfg, val_params, starts, state.agent)
-        return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
-    return fused.paired_rollouts(both)
+    val, val_loss = validation_phase(learner, cfg, val_params, starts, state.agent)
+    return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
 
 
-def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
+def pairs_rollouts(cfg: Config, mesh) -> bool:
     """Whether a queued epoch runs Validation and the next Experience as one program
-    (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on, and both rollouts are
-    kernels with one launch shape, on one device and one shard (the collection kernel then is
-    a call of the program itself)."""
-    from pallas_kernels.q_forward import block_rows_for
-    from pallas_kernels.rollout import rollout_config
-
-    n, w = cfg.train.num_episodes, cfg.train.validation_windows
-    if not cfg.train.pair_rollouts:
-        return False
-    if not (fused.use_rollout_kernel(learner, n) and fused.use_rollout_kernel(learner, w)):
-        return False
-    if cfg.train.shards != 1 or (mesh is not None and mesh.size != 1):
-        return False
-    kc = rollout_config(learner.network.dtype)
-    return block_rows_for(n, kc) == block_rows_for(w, kc)
+    (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on and the phases run on
+    one device (Validation runs on the mesh's first device, Experience on the whole mesh)."""
+    return cfg.train.pair_rollouts and (mesh is None or mesh.size == 1)
 
 
 def _ready_time(tree) -> Callable[[], float]:
@@ -356,7 +343,7 @@ class Trainer:
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run Validation and the next Experience as one program
         (:func:`pairs_rollouts`)."""
-        return pairs_rollouts(self.learner, self.cfg, self.mesh)
+        return pairs_rollouts(self.cfg, self.mesh)
 
     def compile(self, state: TrainerState, threads: bool = True, queued: bool = False) -> None:
         """Ahead-of-time compilation of the phase functions (timed as Compile).
