@@ -121,11 +121,10 @@ class TrainConfig:
     # devices (a multiple of their count). S, not the device count, defines the results.
     shards: int = 1
     # queued epochs (Trainer.run_epoch(queue_next=True)) run Validation and the next Experience
-    # as one program, their rollout kernels in one launch, where network.backend=pallas gives
-    # both one launch shape on one device and shard. Same numbers. On an H200 the seed epoch
-    # took 8.6 instead of 10.3-10.5 ms, but compiling the extra program doubled a cold compile
-    # (35 against 16-17 s), so it is off by default (docs/training.md).
-    pair_rollouts: bool = False
+    # as one program where network.backend=pallas runs both rollouts as kernels on one device:
+    # the GPU runs the two kernels at once. Same numbers. On an H200 the seed epoch took 8.8
+    # instead of 10.3 ms; the cost is a fourth program to compile (docs/training.md).
+    pair_rollouts: bool = True
 
 
 @dataclass(frozen=True)

@@ -476,8 +476,9 @@ def section_learner(args, out: dict) -> None:
                           (network_mod, "F32_PRECISION", jax.lax.DotAlgorithmPreset.BF16_BF16_F32)]
             try:
                 def steps(agent, buf, key, _u=unroll, _l=learner, _v=variant):
-                    if _u == 1 and _v != "sequential":  # the library's (pipelined) loop
-                        a, b, m = train_steps(_l, decode, agent, buf, key, jnp.float32(0.5), k)
+                    if _v != "sequential":  # the library's (pipelined) loop
+                        a, b, m = train_steps(_l, decode, agent, buf, key, jnp.float32(0.5), k,
+                                              unroll=_u)
                         return a, b, m["loss"]
 
                     def body(c, kk):  # learner_step after learner_step, as before session 9

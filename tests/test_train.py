@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax import api
-from foxhunt_jax.agent.learner import beta_at, epsilon_at
+from foxhunt_jax.agent.learner import beta_at, epsilon_at, make_learner
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import NonFiniteError
@@ -154,14 +154,15 @@ def test_queued_experience_gives_the_same_epochs():
     assert tr._queued is None and rec["epoch"] == 1
 
 
-def test_paired_validation_and_experience_give_the_same_epochs():
-    """With ``train.pair_rollouts`` a queued epoch runs Validation and the next Experience as one
-    program: the same numbers as the epochs run one phase at a time."""
+def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
+    """A queued epoch that runs Validation and the next Experience as one program gives the same
+    numbers as the epochs run one phase at a time. (Pairing applies to the Pallas backend; the
+    program's composition does not depend on it, so the cheaper XLA backend is paired here.)"""
     cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
                                 "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
-                                "train.num_episodes=16", "train.train_steps=2",
-                                "train.pair_rollouts=true"])
+                                "train.num_episodes=16", "train.train_steps=2"])
     tr = trainer_mod.Trainer.build(cfg)
+    monkeypatch.setattr(trainer_mod, "pairs_rollouts", lambda *a: True)
 
     def run(queue):
         state, recs = tr.init_state(), []
@@ -177,11 +178,17 @@ def test_paired_validation_and_experience_give_the_same_epochs():
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # not paired: the setting off, or a mesh of several devices (Validation runs on one)
-    assert not trainer_mod.pairs_rollouts(load_config("smoke", ["train.pair_rollouts=false"]),
-                                          None)
-    assert not trainer_mod.pairs_rollouts(cfg, SimpleNamespace(size=2))
-    assert trainer_mod.pairs_rollouts(cfg, SimpleNamespace(size=1))
+    monkeypatch.undo()
+    # paired by default where both rollouts are kernels on one device; not with the XLA
+    # backend, the setting off, or a mesh of several devices (Validation runs on one)
+    kernels = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
+    learner = make_learner(kernels, kernels.env.branch_sizes)
+    assert trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=1))
+    assert not trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=2))
+    off = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
+                                "train.pair_rollouts=false"])
+    assert not trainer_mod.pairs_rollouts(learner, off, None)
+    assert not tr.pairs_rollouts  # XLA
     # the setting keys only the paired program: the others load from the executable cache
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     for name in ("experience", "training", "validation"):

@@ -224,8 +224,9 @@ def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: re
 
 
 def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
-                key: jax.Array, beta: jax.Array, num_steps: int):
-    """K learner steps under ``lax.scan``; metrics are averaged over the K steps.
+                key: jax.Array, beta: jax.Array, num_steps: int, unroll: int = 1):
+    """K learner steps under ``lax.scan`` (``unroll`` steps an iteration); metrics are averaged
+    over the K steps.
 
     Step ``t`` is :func:`learner_step` with key ``split(key, K)[t]``, and the result is the same,
     but the loop is software-pipelined: iteration ``t`` updates from batch ``t`` and then draws
@@ -246,7 +247,8 @@ def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: rep
 
     first = sample_batch(learner, decode, buffer, keys[0], beta)
     following = jnp.concatenate([keys[1:], keys[:1]])  # the last draw is discarded
-    (agent, buffer, _), ms = jax.lax.scan(body, (agent, buffer, first), following)
+    (agent, buffer, _), ms = jax.lax.scan(body, (agent, buffer, first), following,
+                                          unroll=unroll)
     return agent, buffer, jax.tree.map(jnp.mean, ms)
 
 

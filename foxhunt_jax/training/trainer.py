@@ -163,11 +163,17 @@ def validation_experience_phase(learner: Learner, cfg: Config, val_params, start
     return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
 
 
-def pairs_rollouts(cfg: Config, mesh) -> bool:
+def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
     """Whether a queued epoch runs Validation and the next Experience as one program
-    (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on and the phases run on
-    one device (Validation runs on the mesh's first device, Experience on the whole mesh)."""
-    return cfg.train.pair_rollouts and (mesh is None or mesh.size == 1)
+    (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on, both rollouts are
+    kernels (``network.backend=pallas``, :func:`~foxhunt_jax.training.fused.use_rollout_kernel`)
+    and the phases run on one device (Validation runs on the mesh's first device, Experience on
+    the whole mesh). Two rollout kernels run at once; two ``lax.scan`` rollouts of the XLA
+    backend did not (the seed epoch took 18.2 ms paired against 16.5 on an H200, BENCHMARKS.md,
+    session 11)."""
+    n, w = cfg.train.num_episodes, cfg.train.validation_windows
+    return (cfg.train.pair_rollouts and fused.use_rollout_kernel(learner, n)
+            and fused.use_rollout_kernel(learner, w) and (mesh is None or mesh.size == 1))
 
 
 def _ready_time(tree) -> Callable[[], float]:
@@ -343,7 +349,7 @@ class Trainer:
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run Validation and the next Experience as one program
         (:func:`pairs_rollouts`)."""
-        return pairs_rollouts(self.cfg, self.mesh)
+        return pairs_rollouts(self.learner, self.cfg, self.mesh)
 
     def compile(self, state: TrainerState, threads: bool = True, queued: bool = False) -> None:
         """Ahead-of-time compilation of the phase functions (timed as Compile).
