@@ -49,6 +49,13 @@ _executables: Path | None = None  # set by enable_compilation_cache
 # (a learner step's Q and RND updates, its replay bookkeeping) overlap: 1.6-1.7x faster
 # learner steps on an H200 (BENCHMARKS.md). XLA_FLAGS naming the mode takes precedence.
 SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
+# Which instructions go into command buffers: XLA's default kinds plus while loops and
+# conditionals, so that the learner's K-step loop (and each rollout's scan) runs as one CUDA
+# graph with conditional nodes instead of one graph launch per iteration: the seed epoch's
+# Training took 3.98 against 5.04 ms on an H200 (BENCHMARKS.md, session 11). XLA_FLAGS naming
+# this option takes precedence.
+COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
+COMMAND_BUFFER_KINDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
 # kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
 # on an H200 (jax 0.11.2, BENCHMARKS.md).
@@ -86,15 +93,16 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
 
 def compiler_options() -> dict:
     """XLA compile options of the trainer's and the benchmark's programs: on a GPU, command
-    buffers scheduled as a DAG (``SCHEDULING_OPTION``), unless ``XLA_FLAGS`` sets that mode;
-    elsewhere none."""
+    buffers scheduled as a DAG (``SCHEDULING_OPTION``) that also take while loops and
+    conditionals (``COMMAND_BUFFER_OPTION``), each unless ``XLA_FLAGS`` names it or this XLA
+    rejects it; elsewhere none."""
     import jax
 
-    if jax.default_backend() not in ("gpu", "cuda") or \
-            SCHEDULING_OPTION in os.environ.get("XLA_FLAGS", ""):
+    if jax.default_backend() not in ("gpu", "cuda"):
         return {}
-    options = {SCHEDULING_OPTION: "CONCURRENT"}
-    return options if _xla_accepts(tuple(options.items())) else {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    wanted = {SCHEDULING_OPTION: "CONCURRENT", COMMAND_BUFFER_OPTION: COMMAND_BUFFER_KINDS}
+    return {k: v for k, v in wanted.items() if k not in flags and _xla_accepts(((k, v),))}
 
 
 @functools.lru_cache(maxsize=None)

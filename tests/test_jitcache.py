@@ -86,13 +86,18 @@ def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert jitcache.compiler_options() == {}  # this CPU: no options
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT"}
+    loops = {jitcache.COMMAND_BUFFER_OPTION: jitcache.COMMAND_BUFFER_KINDS}
+    assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT", **loops}
+    assert "WHILE" in jitcache.COMMAND_BUFFER_KINDS.split(",")
     # the key sees the options: a GPU program compiled without them is another entry
     x = jnp.ones((2, 2))
     k = jitcache.cache_key("f", {}, (x,))
     monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE")
-    assert jitcache.compiler_options() == {}  # the user's flag decides
+    assert jitcache.compiler_options() == loops  # the user's flag decides its option
     assert jitcache.cache_key("f", {}, (x,)) != k
+    monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE "
+                                    f"--{jitcache.COMMAND_BUFFER_OPTION}=FUSION")
+    assert jitcache.compiler_options() == {}
 
 
 def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
@@ -100,7 +105,9 @@ def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jitcache, "SCHEDULING_OPTION", "foxhunt_no_such_option")
     with pytest.warns(UserWarning, match="does not take the compile options"):
-        assert jitcache.compiler_options() == {}
+        # the other option still applies
+        assert jitcache.compiler_options() == {
+            jitcache.COMMAND_BUFFER_OPTION: jitcache.COMMAND_BUFFER_KINDS}
 
 
 def test_jit_passes_the_options_to_every_compile(monkeypatch):
