@@ -14,7 +14,7 @@ Sections (``--sections``, all by default, run in this order), over the backends 
 - ``device``: the ceilings measured here: GEMM rate (bf16; f32 as the library runs it, bf16x6,
   ``network.F32_PRECISION``; f32 with ``Precision.HIGHEST``; default f32), device-to-device
   copy bandwidth, and the cost of one ``lax.scan`` iteration
-  (plain, and with XLA's command buffers, i.e. CUDA graphs, for the while loop).
+  (plain, and with the library's command buffers, i.e. CUDA graphs, for the while loop).
 - ``forward``: the collection/inference Q-forward (:func:`foxhunt_jax.agent.network.q_forward`)
   alone at ``--forward-n`` rows: time, rows/s, achieved FLOP/s, and equality of the Pallas
   kernel with the Flax forward on fresh random inputs (expected-Q error, greedy-action
@@ -31,7 +31,9 @@ Sections (``--sections``, all by default, run in this order), over the backends 
   compared with the scan's at the smallest N (same keys and parameters).
 - ``train``: learner throughput: steps/s at the seed batch and samples/s at ``--big-batch``.
 - ``replay``: add/sample/update beside flashbax (``scripts/bench_replay.py``).
-- ``cmdbuf``: the seed epoch with XLA command buffers for while loops, in a fresh process.
+- ``cmdbuf``: the seed epoch with XLA's default command buffers, which leave while loops out, in
+  a fresh process: what the library's while-loop command buffers
+  (:data:`foxhunt_jax.jitcache.COMMAND_BUFFER_KINDS`) buy.
 
 Prints markdown tables and writes everything to ``--json`` (rewritten after every section, so
 a run cut short keeps what it measured). ``--quick`` shrinks everything for a CPU check;
@@ -59,20 +61,23 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from foxhunt_jax.jitcache import COMMAND_BUFFER_KINDS, COMMAND_BUFFER_OPTION
+
 REPO = Path(__file__).resolve().parent.parent
 # in this order: the seed section compiles first, in this process
 SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "cmdbuf")
 # pallas:float32 is refused by the config (its kernel lost to XLA, BENCHMARKS.md); the forward
 # section still times the float32 kernel itself
 DEFAULT_VARIANTS = ("xla:float32", "xla:bfloat16", "pallas:bfloat16")
-# XLA's command buffers (CUDA graphs) extended to while loops and conditionals: a lax.scan then
-# replays as one graph instead of a host round trip per iteration.
-CMDBUF_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+# XLA's own command-buffer kinds (without while loops and conditionals), which XLA_FLAGS sets
+# over the library's option for the cmdbuf section's comparison
+XLA_DEFAULT_KINDS = ",".join(k for k in COMMAND_BUFFER_KINDS.split(",")
+                             if k not in ("WHILE", "CONDITIONAL"))
 QUICK_OVERRIDES = ("network.trunk=[32]", "network.head=16", "env.episode_length=8",
                    "train.num_episodes=16", "train.train_steps=2", "train.batch_size=16",
                    "train.validation_windows=4", "replay.capacity=1024", "curiosity.hidden=16",
                    "curiosity.embed=8")
-CMDBUF_FLAGS = f"--xla_gpu_enable_command_buffer={CMDBUF_TYPES} --xla_gpu_graph_min_graph_size=1"
+CMDBUF_FLAGS = f"--{COMMAND_BUFFER_OPTION}={XLA_DEFAULT_KINDS}"
 
 
 # --- small helpers -----------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def section_device(args, out: dict, deadline: Deadline) -> None:
     res = {}
     variants = [("plain", None)]
     if jax.default_backend() == "gpu":
-        variants.append(("command_buffer", {"xla_gpu_enable_command_buffer": CMDBUF_TYPES,
+        variants.append(("command_buffer", {COMMAND_BUFFER_OPTION: COMMAND_BUFFER_KINDS,
                                             "xla_gpu_graph_min_graph_size": 1}))
     for name, opts in variants:
         try:
@@ -571,7 +576,7 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
 
 
 def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:
-    """The seed epoch with XLA command buffers (CUDA graphs) for while loops, in a fresh process."""
+    """The seed epoch with XLA's default command buffers (no while loops), in a fresh process."""
     import jax
 
     if jax.default_backend() != "gpu" and not args.quick:
@@ -586,7 +591,7 @@ def section_cmdbuf(args, out: dict, deadline: Deadline) -> None:
     res["xla_flags"] = flags
     res["epochs"] = epochs
     out.update(res)
-    _report_child("command buffers", res)
+    _report_child("XLA default command buffers", res)
 
 
 def child_main(args) -> dict:
@@ -610,7 +615,8 @@ def child_main(args) -> dict:
         init_ms = tr.init_ms
         tr.compile(state, queued=True)  # the programs of queued epochs, as the seed section's
         row = {"backend": backend, "dtype": dtype, "init_ms": init_ms,
-               "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded}
+               "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded,
+               "programs": len(tr._phases)}
         if args.epochs > 0:
             tr.init_ms = tr.compile_ms = 0.0
             phases, _, _ = _time_epochs(tr, state, args.epochs, args.warmup)
@@ -950,8 +956,10 @@ def tables(res: dict) -> str:
                          f"{cell('total')} | {r['compile_ms'] / 1e3:.2f} |")
     comp = res.get("compile", {})
     if comp.get("cold", {}).get("rows"):
-        lines += ["", "Whole-epoch compile (the three phase programs) and the state-init program, s:"
-                      " cold = a fresh process per variant with empty caches; then fresh processes"
+        lines += ["", "Whole-epoch compile (the phase programs; a fourth pairs Validation and the"
+                      " next Experience where both rollouts are kernels) and the state-init"
+                      " program, s: cold = a fresh process per variant with empty caches; then"
+                      " fresh processes"
                       " with the caches it filled: JAX's persistent cache"
                       " only (XLA cache) and with the executable cache too (loaded: programs"
                       " it served)",
@@ -967,14 +975,14 @@ def tables(res: dict) -> str:
                          f"{c['init_ms'] / 1e3:.2f} | "
                          f"{_f(x.get('compile_ms', float('nan')) / 1e3)} | "
                          f"{_f(w.get('compile_ms', float('nan')) / 1e3)} "
-                         f"({w.get('executables_loaded', '-')}/3) | "
+                         f"({w.get('executables_loaded', '-')}/{w.get('programs', '-')}) | "
                          f"{_f(w.get('init_ms', float('nan')) / 1e3)} |")
     for name in ("cold", "cached_xla_only", "cached"):
         if "error" in comp.get(name, {}):
             lines.append(f"compile {name}: error {comp[name]['error'][-200:]}")
     cb = res.get("cmdbuf", {})
     if cb.get("rows") or "error" in cb:
-        lines += ["", f"Seed epoch with XLA command buffers for while loops ({cb.get('xla_flags')}),"
+        lines += ["", f"Seed epoch without while loops in command buffers ({cb.get('xla_flags')}),"
                       f" fresh process, median of {cb.get('epochs')} epochs, ms"]
         for r in cb.get("rows", []):
             if "phases" in r:

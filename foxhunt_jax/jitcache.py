@@ -55,7 +55,8 @@ SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # Training took 3.98 against 5.04 ms on an H200 (BENCHMARKS.md, session 11). XLA_FLAGS naming
 # this option takes precedence.
 COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
-COMMAND_BUFFER_KINDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+COMMAND_BUFFER_KINDS = ",".join(["FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
+                                 "DYNAMIC_SLICE_FUSION", "WHILE", "CONDITIONAL"])
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
 # kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
 # on an H200 (jax 0.11.2, BENCHMARKS.md).
