@@ -16,10 +16,10 @@ default was chosen from, each in the same process so ratios are fair:
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
   against float64 NumPy for a fresh and a nearly trained predictor;
-- ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps``; a plain
-  ``lax.scan`` of ``learner_step`` with several unroll factors) and variants (the loop not
-  pipelined, the taken action's logits by a gather, f32 GEMM algorithms, optimizer per tensor,
-  curiosity off, one online forward over s and s', XLA compile options from
+- ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps`` with each
+  unroll factor of ``--unrolls``) and variants (the loop not pipelined, the taken action's
+  logits by a gather, f32 GEMM algorithms, optimizer per tensor, curiosity off, the RND update
+  on a CUDA stream of its own, one online forward over s and s', XLA compile options from
   ``--learner-options``), with the number of kernel-launching instructions in each compiled
   program and how far each variant's parameters end up from the first's;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
@@ -416,7 +416,8 @@ def _side_stream(fn, stream: int = 1):
 
 
 def section_learner(args, out: dict) -> None:
-    """The seed's K learner steps under lax.scan with unroll factors; kernels per program."""
+    """The seed's K learner steps (the library's loop, unrolled by each factor of ``--unrolls``)
+    and variants; kernels per program."""
     from foxhunt_jax.agent import curiosity as curiosity_mod
     from foxhunt_jax.agent import learner as learner_mod
     from foxhunt_jax.agent import loss as loss_mod
