@@ -39,6 +39,9 @@ default was chosen from, each in the same process so ratios are fair:
   kernels, and for the training phase the busy time per learner step; before the trace, in
   untraced epochs, when each phase's call returns and when its results are ready (raw kernel
   and host events of one epoch go to ``--profile-events``).
+- ``overlap``: one epoch's Validation and the next Experience as one program (the trainer's
+  paired program) against the two programs one after the other, with command buffers scheduled
+  as a DAG and serialized;
 - ``launch``: a program's launch cost by its number of arguments (a donated pytree of ``n``
   small arrays): how long the call takes to return, and how long until its results are ready.
 

@@ -8,8 +8,9 @@ phase's results: each phase from the previous phase's completion to its own (Exp
 the call, or from the previous epoch's Validation when that epoch queued it). Init (data,
 tables, device upload, state) and Compile (ahead-of-time ``lower().compile()`` of the three
 phase functions) are reported on the first epoch a process runs. With ``train.pair_rollouts``
-a queued epoch runs Validation and the next Experience as a fourth program
-(:func:`validation_experience_phase`).
+(the default) a queued epoch runs Validation and the next Experience as a fourth program where
+both rollouts are kernels on one device (:func:`validation_experience_phase`,
+:func:`pairs_rollouts`).
 
 Data parallelism (DESIGN 3.13, :mod:`foxhunt_jax.parallel`): the state holds ``S =
 train.shards`` shards of episodes (rollout ``[S, N/S, ...]``) and of replay (``[S, C/S, ...]``),
