@@ -258,3 +258,14 @@ def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_tim
     for step in ("cold", "cached_xla_only", "cached"):
         assert out[step]["skipped"] == ["xla/float32", "xla/bfloat16", "pallas/bfloat16"]
         assert out[step]["rows"] == []
+
+
+def test_cmdbuf_section_times_xla_s_own_command_buffer_kinds():
+    """The cmdbuf section's child runs with XLA_FLAGS naming XLA's own command-buffer kinds,
+    which take precedence over the library's (while loops and conditionals added)."""
+    from foxhunt_jax import jitcache
+
+    library = set(jitcache.COMMAND_BUFFER_KINDS.split(","))
+    flag, kinds = bench.CMDBUF_FLAGS.split("=", 1)
+    assert flag == f"--{jitcache.COMMAND_BUFFER_OPTION}"
+    assert set(kinds.split(",")) == library - {"WHILE", "CONDITIONAL"}
