@@ -76,8 +76,8 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "rolloutpair", "forward", "loopform", "rnd", "learner", "compilecache",
-            "compileopts", "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
-            "overlap")
+            "compileopts", "compilesweep", "kernelcompile", "compileprofile", "rndcompile",
+            "profile", "launch", "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -207,14 +207,14 @@ def section_rolloutpair(args, out: dict) -> None:
              "both, two launches": (both, library),
              "both, two launches, command buffers serialized":
                  (both, {**library, SCHEDULING_OPTION: "SERIALIZE"})}
-    out["rows"], results = [], {}
+    out["rows"] = []
     for name, (fn, opts) in forms.items():
         if time.perf_counter() > args._deadline:
             out.setdefault("skipped", []).append(name)
             continue
         t0 = time.perf_counter()
         f = jax.jit(fn, compiler_options=opts or None).lower(s.agent.params).compile()
-        results[name] = jax.block_until_ready(f(s.agent.params))
+        jax.block_until_ready(f(s.agent.params))
         row = {"form": name, "options": opts, "first_call_s": time.perf_counter() - t0,
                **_timed(lambda: f(s.agent.params), args.reps)}
         print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "

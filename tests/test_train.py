@@ -1,7 +1,6 @@
 """End-to-end trainer: run directory, resume after SIGKILL, NaN/Inf guard, CLI errors, README."""
 
 import dataclasses
-from types import SimpleNamespace
 import json
 import os
 import re
@@ -10,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -185,9 +185,9 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     learner = make_learner(kernels, kernels.env.branch_sizes)
     assert trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=1))
     assert not trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=2))
-    off = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
-                                "train.pair_rollouts=false"])
-    assert not trainer_mod.pairs_rollouts(learner, off, None)
+    switched_off = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
+                                         "train.pair_rollouts=false"])
+    assert not trainer_mod.pairs_rollouts(learner, switched_off, None)
     assert not tr.pairs_rollouts  # XLA
     # the setting keys only the paired program: the others load from the executable cache
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))

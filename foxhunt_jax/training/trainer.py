@@ -408,13 +408,16 @@ class Trainer:
         tr, va = self.env_params["train"], self.env_params["validation"]
         sched = self._schedule_device()  # epsilon and beta follow state.epoch on the device
 
-        def experience_and_training(state):
-            # Queued back to back: Training's launch (~1 ms of host work) overlaps Experience's
-            # GPU work. Threads note when each one's results are ready (:func:`_ready_time`).
-            state, exp_stats = ph["experience"](tr, state, sched)
+        def training_after(state, exp_stats):
+            # Queued right behind the Experience that produced `state`: Training's launch (~1 ms
+            # of host work) overlaps Experience's GPU work. Threads note when each one's results
+            # are ready (:func:`_ready_time`).
             exp_done = _ready_time(exp_stats)  # not donated: the training call takes `state`
             state, learn = ph["training"](tr, state, sched)
             return state, exp_stats, exp_done, learn, _ready_time(learn)
+
+        def experience_and_training(state):
+            return training_after(*ph["experience"](tr, state, sched))
 
         # Each phase's time runs from the previous phase's completion to its own; the first,
         # Experience, from the previous epoch's Validation when that epoch queued this one, else
@@ -428,14 +431,13 @@ class Trainer:
             t0 = time.perf_counter()
             state, exp_stats, exp_done, learn, learn_done = experience_and_training(state)
         if queue_next and "validation_experience" in ph:
-            # Validation and the next epoch's Experience as one program (their rollout kernels
-            # in one launch); that Experience completes with this Validation
+            # Validation and the next epoch's Experience as one program (the GPU runs their
+            # rollouts at once); that Experience completes with this Validation
             val, val_loss, state, exp_stats_next = ph["validation_experience"](
                 va, self._val_starts_device(), tr, state, sched)
             val_done = _ready_time((val, val_loss))
-            exp_done_next = _ready_time(exp_stats_next)
-            state, learn_next = ph["training"](tr, state, sched)
-            nxt = (state, exp_stats_next, exp_done_next, learn_next, _ready_time(learn_next))
+            nxt = training_after(state, exp_stats_next)
+            state = nxt[0]
         else:
             val, val_loss = ph["validation"](va, self._val_starts_device(),
                                              self._local_agent(state))
