@@ -360,36 +360,47 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
 
 
 def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops: int) -> None:
-    """The forward that returns logits (initial priorities, validation loss): Flax on XLA
-    against ``fused_logits`` (default launch shape), timed at each N, and their largest relative
-    difference on the fresh inputs."""
+    """The forward of the loss's no-gradient callers (initial priorities, validation loss):
+    each branch's logits of given actions (``taken_logits``) on XLA (Flax) against the fused
+    kernel (default launch shape), timed at each N, and their largest relative difference on
+    the fresh inputs."""
+    import jax
     import numpy as np
 
+    from foxhunt_jax.agent.network import taken_logits
     from foxhunt_jax.jitcache import jit
-    from pallas_kernels.q_forward import fused_logits
 
-    fns = {"xla": jit(net.apply), "pallas": jit(lambda p, o: fused_logits(p, o, net))}
+    fns = {b: jit(lambda p, o, a, _b=b: taken_logits(p, o, a, net, _b))
+           for b in ("xla", "pallas")}
+
+    def actions(n, seed):  # fresh uniform actions per branch
+        keys = jax.random.split(jax.random.key(seed), len(net.branch_sizes))
+        return jax.numpy.stack([jax.random.randint(k, (n,), 0, nd) for k, nd in
+                                zip(keys, net.branch_sizes)], axis=1)
     try:
         def flat(xs):
             return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in xs], axis=1)
 
-        got, ref = flat(fns["pallas"](params, obs_chk)), flat(fns["xla"](params, obs_chk))
-        rel = _rel_err(got, ref)
+        acts = actions(obs_chk.shape[0], 11)
+        got = flat(fns["pallas"](params, obs_chk, acts))
+        rel = _rel_err(got, flat(fns["xla"](params, obs_chk, acts)))
         out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
-                                               "dtype": net.dtype, "kind": "logits",
+                                               "dtype": net.dtype, "kind": "taken_logits",
                                                "logits_rel_err": rel})
         for n, obs in inputs.items():
+            acts = actions(n, 12)
             for backend, f in fns.items():
-                ms = time_calls(lambda: f(params, obs), reps, warmup=2)
+                ms = time_calls(lambda: f(params, obs, acts), reps, warmup=2)
                 out["rows"].append({"n": n, "backend": backend, "dtype": net.dtype,
-                                    "config": "logits", **_fwd_rates(ms, n, flops)})
-                print(f"  logits forward N={n} {backend}/{net.dtype}: {statistics.median(ms):.3f} "
-                      f"ms" + (f", rel err vs Flax {rel:.2e}" if backend == "pallas" else ""),
+                                    "config": "taken_logits", **_fwd_rates(ms, n, flops)})
+                print(f"  taken-action logits N={n} {backend}/{net.dtype}: "
+                      f"{statistics.median(ms):.3f} ms"
+                      + (f", rel err vs Flax {rel:.2e}" if backend == "pallas" else ""),
                       flush=True)
     except Exception as e:
-        out.setdefault("equality", []).append({"kind": "logits",
+        out.setdefault("equality", []).append({"kind": "taken_logits",
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        print(f"  logits forward: FAILED {str(e)[:300]}", flush=True)
+        print(f"  taken-action logits: FAILED {str(e)[:300]}", flush=True)
 
 
 def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:

@@ -365,13 +365,16 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
 
 
 def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
-            greedy: bool, x_ref, *refs):
-    """Inputs: the observation block, the support ``[Kp]`` (``greedy`` only), the parameter
-    operands. Outputs, in order: expected Q (``with_q``), one logits block ``[BM, n_pad, Kp]``
-    per branch (``with_logits``), actions (``greedy``)."""
-    z = None
+            greedy: bool, select: bool, x_ref, *refs):
+    """Inputs: the observation block, the support ``[Kp]`` (``greedy`` only), the actions
+    ``[BM, B]`` (``select`` only), the parameter operands. Outputs, in order: expected Q
+    (``with_q``), per branch one logits block ``[BM, n_pad, Kp]`` (``with_logits``) or, with
+    ``select``, the logits of the given action ``[BM, Kp]``, then actions (``greedy``)."""
+    z = sel_ref = None
     if greedy:
         z, refs = refs[0][...], refs[1:]
+    if select:
+        sel_ref, refs = refs[0], refs[1:]
     n_ops = len(operand_names(plan))
     ops = dict(zip(operand_names(plan), refs[:n_ops]))
     outs = refs[n_ops:]
@@ -382,7 +385,17 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
     def store_logits(where, logits):
         if isinstance(where, tuple):
             d, a = where
-            logit_refs[d][:, a, :] = logits
+            if not select:
+                logit_refs[d][:, a, :] = logits
+            elif a == 0:
+                logit_refs[d][...] = jnp.where(sel_ref[:, d][:, None] == 0, logits, 0.0)
+            else:  # exactly one action of the branch matches, so the others add zeros
+                logit_refs[d][...] += jnp.where(sel_ref[:, d][:, None] == a, logits, 0.0)
+        elif select:  # a masked sum over the actions, as agent.network.select_action
+            npad = logits.shape[1]
+            taken = (jax.lax.broadcasted_iota(jnp.int32, (1, npad, 1), 1)
+                     == sel_ref[:, where][:, None, None])
+            logit_refs[where][...] = jnp.sum(jnp.where(taken, logits, 0.0), axis=1)
         else:
             logit_refs[where][...] = logits
 
@@ -477,10 +490,14 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
 
 
 def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q: bool,
-         with_logits: bool, config: KernelConfig | None, interpret: bool | None):
+         with_logits: bool, config: KernelConfig | None, interpret: bool | None,
+         actions: jax.Array | None = None):
     """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B]
-    or None). ``support`` None stops the kernel at the logits (no greedy tail, no actions)."""
+    or None). ``support`` None stops the kernel at the logits (no greedy tail, no actions).
+    ``actions [N, B]`` (with ``with_logits``): each branch's logits of that action only,
+    ``[N, K]``, instead of all of them."""
     greedy = support is not None
+    select = actions is not None
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
@@ -499,15 +516,23 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
 
     full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
     inputs = [x]
+    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0))]
     if greedy:
         inputs.append(jnp.pad(jnp.asarray(support, jnp.float32), (0, kp - plan.atoms)))
+        in_specs.append(full(inputs[-1]))
+    if select:
+        inputs.append(_pad2(jnp.asarray(actions, jnp.int32), rows, nb))
+        in_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
     inputs += operands
-    in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0))] + [full(a) for a in inputs[1:]]
+    in_specs += [full(a) for a in operands]
     out_shape, out_specs = [], []
     if with_q:
         out_shape.append(jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
         out_specs.append(pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
-    if with_logits:
+    if with_logits and select:
+        out_shape += [jax.ShapeDtypeStruct((rows, kp), jnp.float32)] * nb
+        out_specs += [pl.BlockSpec((bm, kp), lambda i: (i, 0))] * nb
+    elif with_logits:
         for d in range(nb):
             npad = plan.actions_pad(d)
             out_shape.append(jax.ShapeDtypeStruct((rows, npad, kp), jnp.float32))
@@ -516,15 +541,16 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
         out_shape.append(jax.ShapeDtypeStruct((rows, nb), jnp.int32))
         out_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
 
-    kernel = functools.partial(_kernel, plan, cd, config, with_q, with_logits, greedy)
+    kernel = functools.partial(_kernel, plan, cd, config, with_q, with_logits, greedy, select)
     outs = launch(kernel, "fused_q_forward", config, bm, rows // bm, in_specs, tuple(out_specs),
                   tuple(out_shape), interpret)(*inputs)
     q = logits = None
     if with_q:
         q = tuple(outs[0][:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
     if with_logits:
-        logits = tuple(x[:n, :nd, :plan.atoms] for x, nd in
-                       zip(outs[int(with_q):len(outs) - int(greedy)], plan.branch_sizes))
+        blocks_out = outs[int(with_q):len(outs) - int(greedy)]
+        logits = (tuple(x[:n, :plan.atoms] for x in blocks_out) if select else
+                  tuple(x[:n, :nd, :plan.atoms] for x, nd in zip(blocks_out, plan.branch_sizes)))
     return q, logits, outs[-1][:n] if greedy else None
 
 
@@ -550,7 +576,8 @@ def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
     return q, actions
 
 
-def fused_logits(params: Any, obs: jax.Array, network, *, config: KernelConfig | None = None,
+def fused_logits(params: Any, obs: jax.Array, network, *, actions: jax.Array | None = None,
+                 config: KernelConfig | None = None,
                  interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """``network.apply(params, obs)`` in one fused kernel: per-branch logits ``[N, n_d, K]``
     float32 of ``obs [N, D]`` (no gradient; the learner's update keeps the Flax forward).
@@ -558,8 +585,13 @@ def fused_logits(params: Any, obs: jax.Array, network, *, config: KernelConfig |
     Each program writes its rows' logits padded to ``[BM, n_pad, Kp]`` per branch (Triton's
     power-of-two blocks); the padding is sliced off outside the kernel. The kernel stops at the
     logits: no softmax, expected Q or actions.
+
+    With ``actions [N, B]`` int32 it returns, per branch, only the logits of that action,
+    ``[N, K]`` (``network.select_action`` of each branch): a C51 loss reads one action's
+    distribution per branch, so the kernel writes ``B * Kp`` floats a row instead of
+    ``sum n_pad * Kp``.
     """
-    _, logits, _ = _run(params, obs, network, None, False, True, config, interpret)
+    _, logits, _ = _run(params, obs, network, None, False, True, config, interpret, actions)
     return logits
 
 

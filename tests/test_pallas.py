@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.learner import epsilon_greedy
-from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, forward_logits,
-                                       greedy_actions, q_forward, support)
+from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, greedy_actions,
+                                       q_forward, select_action, support, taken_logits)
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from pallas_kernels import q_forward as qf
@@ -186,7 +186,8 @@ def test_odd_widths_and_one_branch(rng, layout):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_kernel_equals_flax_and_float64(rng, layout, dtype):
     """fused_logits is network.apply: the default network in both dtypes and both layouts,
-    rows that get padded (45 of 64)."""
+    rows that get padded (45 of 64). With ``actions`` (float32) it is each branch's
+    ``select_action`` of those logits."""
     net = _net(dtype)
     params = _params(rng, net, D)
     obs = jnp.asarray(2.0 * rng.standard_normal((45, D)), jnp.float32)
@@ -200,19 +201,30 @@ def test_logits_kernel_equals_flax_and_float64(rng, layout, dtype):
         chex.assert_type(logits[d], jnp.float32)
         assert _rel(logits[d], flax_logits[d]) < tol
         assert _rel(logits[d], ref[d]) < tol
+    if dtype == "float32":  # the selection does not depend on the GEMM dtype
+        actions = jnp.asarray(rng.integers(0, BRANCHES, (45, len(BRANCHES))), jnp.int32)
+        taken = jax.jit(lambda p, o, a: fused_logits(p, o, net, actions=a, config=cfg,
+                                                     interpret=True))(params, obs, actions)
+        for d in range(len(BRANCHES)):
+            chex.assert_shape(taken[d], (45, 11))
+            want = ref[d][np.arange(45), np.asarray(actions[:, d])]
+            assert _rel(taken[d], want) < tol
+            assert _rel(taken[d], select_action(flax_logits[d], actions[:, d])) < tol
 
 
-def test_forward_logits_backends_agree_with_leading_axes(rng):
+def test_taken_logits_backends_agree_with_leading_axes(rng):
     net = _net("float32", (6,), (48, 37), 24, 7)
     params = _params(rng, net, 13)
     obs = jnp.asarray(rng.standard_normal((2, 9, 13)), jnp.float32)
-    fwd = jax.jit(lambda p, o, b: forward_logits(p, o, net, b), static_argnums=2)
-    x, p = fwd(params, obs, "xla"), fwd(params, obs, "pallas")  # interpret mode off a CUDA GPU
-    chex.assert_shape([x[0], p[0]], [(2, 9, 6, 7)] * 2)
+    actions = jnp.asarray(rng.integers(0, 6, (2, 9, 1)), jnp.int32)
+    fwd = jax.jit(lambda p, o, a, b: taken_logits(p, o, a, net, b), static_argnums=3)
+    x, p = fwd(params, obs, actions, "xla"), fwd(params, obs, actions, "pallas")  # interpreted
+    chex.assert_shape([x[0], p[0]], [(2, 9, 7)] * 2)
     assert _rel(p[0], x[0]) < 1e-5
-    assert _rel(p[0], _np_logits(params, obs.reshape(18, 13), net)[0].reshape(2, 9, 6, 7)) < 1e-5
+    ref = _np_logits(params, obs.reshape(18, 13), net)[0][np.arange(18), np.ravel(actions)]
+    assert _rel(p[0], ref.reshape(2, 9, 7)) < 1e-5
     with pytest.raises(ConfigError, match="network.backend"):
-        forward_logits(params, obs, net, "cuda")
+        taken_logits(params, obs, actions, net, "cuda")
 
 
 @pytest.mark.parametrize("layout", ["grouped", "per_action"])
@@ -228,10 +240,12 @@ def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
     text = fn.trace(params, jnp.zeros((300, D), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_q_forward" in text
-    # batched over data-parallel shards (collect_shards vmaps the priorities)
-    sharded = jax.jit(jax.vmap(lambda o: fused_logits(params, o, net, config=cfg)))
-    assert "xla.gpu.triton" in sharded.trace(jnp.zeros((2, 300, D), jnp.float32)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    # each branch's logits of given actions, batched over data-parallel shards (collect_shards
+    # vmaps the priorities)
+    sharded = jax.jit(jax.vmap(lambda o, a: fused_logits(params, o, net, actions=a, config=cfg)))
+    assert "xla.gpu.triton" in sharded.trace(
+        jnp.zeros((2, 300, D), jnp.float32), jnp.zeros((2, 300, len(BRANCHES)), jnp.int32)
+    ).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_narrow_operand_blocks_equal_flax(rng):

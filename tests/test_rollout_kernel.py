@@ -199,23 +199,35 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
     chex.assert_trees_all_equal(runs[1], runs[0])
 
 
-def test_validation_loss_backends_agree(tables):
-    """The validation loss runs its three forwards through the fused kernel (interpret mode
-    here) under the Pallas backend: the same loss as the Flax forwards."""
+def test_validation_loss_backends_agree(tables, monkeypatch):
+    """The validation loss runs its three forwards through the fused kernels (interpret mode
+    here) under the Pallas backend: the same loss as the Flax forwards. Where this agent's
+    expected Q sit near v_max, two actions' values can tie to ~1e-6, and the two backends
+    (summing in different orders) may break such a tie at s' differently and bootstrap from
+    another action; so the losses are equal to 1e-5 given the same greedy actions at s', and
+    to 2e-3 with each backend's own."""
+    from foxhunt_jax.agent import learner as learner_mod
+
     seed = int(np.random.default_rng().integers(1 << 30))
     loss = {}
-    for backend in ("xla", "pallas"):
-        _, params, learner = _setup(tables, backend, split="validation")
+    for backend in ("xla", "pallas", "pallas, Flax greedy at s'"):
+        _, params, learner = _setup(tables, backend.split(",")[0], split="validation")
         agent = _agent(learner, params, seed)
         starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 12))
         traj = jax.jit(lambda p, s, _l=learner, _e=params: validate.greedy_rollout(
             _l, p, _e, s, 6, jax.random.key(0)))(agent.params, starts)
         if backend == "xla":
-            ref_traj = traj  # both losses on one trajectory, so only the forwards differ
+            ref_traj = traj  # every loss on one trajectory, so only the forwards differ
+        if "Flax" in backend:
+            q_forward = learner_mod.q_forward
+            monkeypatch.setattr(learner_mod, "q_forward",
+                                lambda p, o, n, z, b: q_forward(p, o, n, z, "xla"))
         loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
             _l, a.params, a.target_params, _e, t))(agent, ref_traj)
     chex.assert_shape(loss["pallas"], ())
-    np.testing.assert_allclose(float(loss["pallas"]), float(loss["xla"]), rtol=1e-5)
+    np.testing.assert_allclose(float(loss["pallas, Flax greedy at s'"]), float(loss["xla"]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(loss["pallas"]), float(loss["xla"]), rtol=2e-3)
     assert float(loss["xla"]) > 0.0
 
 

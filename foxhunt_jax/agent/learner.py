@@ -32,9 +32,9 @@ import optax
 from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.loss import c51_double_q_loss
-from foxhunt_jax.agent.network import (QNetwork, forward_logits, init_params,
-                                       support as make_support)
+from foxhunt_jax.agent.loss import c51_loss
+from foxhunt_jax.agent.network import (QNetwork, init_params, q_forward, support as make_support,
+                                       taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
@@ -111,18 +111,20 @@ def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
 
 def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
                     discount, backend: str = "xla") -> jax.Array:
-    """C51 double-Q loss per sample [M]: three forwards (online s, online s', target s').
+    """C51 double-Q loss per sample [M] (:func:`~foxhunt_jax.agent.loss.c51_loss`): three
+    forwards, online at s' for its greedy actions, online at s and target at s' for the logits
+    of the taken and of those greedy actions.
 
-    ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.forward_logits`): the
-    update differentiates the default ``"xla"`` (Flax); initial priorities and the validation
-    loss, which need no gradient, pass the network's configured backend.
+    ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.q_forward`,
+    :func:`~foxhunt_jax.agent.network.taken_logits`): the update differentiates the default
+    ``"xla"`` (Flax); initial priorities and the validation loss, which need no gradient, pass
+    the network's configured backend, whose kernels then write each row's chosen logits only.
     """
-    apply = lambda p, x: forward_logits(p, x, learner.network, backend)  # noqa: E731
-    online_s = apply(params, obs)
-    online_next = apply(params, next_obs)
-    target_next = apply(target_params, next_obs)
-    return c51_double_q_loss(online_s, online_next, target_next, action, returns, discount,
-                             learner.support)
+    net, z = learner.network, learner.support
+    _, best = q_forward(params, next_obs, net, z, backend)  # an argmax has no gradient
+    return c51_loss(taken_logits(params, obs, action, net, backend),
+                    taken_logits(target_params, next_obs, best, net, backend),
+                    returns, discount, z)
 
 
 def _update_target(learner: Learner, params, target_params, step):

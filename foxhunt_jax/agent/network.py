@@ -2,8 +2,9 @@
 
 One forward function serves every caller: the learner (online on s, target on s', online on s'),
 experience collection and inference all call :meth:`QNetwork.apply`. Collection and inference
-reach it through :func:`q_forward`, whose ``backend="pallas"`` runs the same network as one
-fused kernel (``pallas_kernels/q_forward.py``, tested equal to this module).
+reach it through :func:`q_forward`, and the loss's no-gradient callers (initial priorities, the
+validation loss) through :func:`taken_logits`; their ``backend="pallas"`` runs the same network
+as one fused kernel (``pallas_kernels/q_forward.py``, tested equal to this module).
 
 Layout with the default 3 branches (ten Dense layers, 20 tensors)::
 
@@ -223,21 +224,37 @@ def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
     return q, actions
 
 
-def forward_logits(params: Any, obs: jax.Array, network: QNetwork, backend: str = "xla"):
-    """``network.apply(params, obs)`` for callers that need no gradient (initial priorities,
-    the validation loss): per-branch logits ``[..., n_d, K]`` float32.
+def select_action(logits_d: jax.Array, action: jax.Array) -> jax.Array:
+    """Logits of one action per row: ``[..., n, K]``, ``[...]`` int -> ``[..., K]``.
 
-    ``backend="pallas"`` runs the same network as one fused kernel
-    (:func:`pallas_kernels.q_forward.fused_logits`, tested equal); the learner's update always
-    uses ``network.apply``, which provides gradients.
+    A masked sum over the ``n`` actions rather than a gather: XLA fuses it with its neighbours,
+    and its gradient is a select instead of a scatter-add. On an H200 that took the learner step
+    from 140.2 to 130.4 us in bf16 (BENCHMARKS.md, session 9). Exact: one term is nonzero.
+    """
+    taken = jnp.arange(logits_d.shape[-2]) == action[..., None]
+    return jnp.sum(jnp.where(taken[..., None], logits_d, 0.0), axis=-2)
+
+
+def taken_logits(params: Any, obs: jax.Array, actions: jax.Array, network: QNetwork,
+                 backend: str = "xla") -> tuple[jax.Array, ...]:
+    """Each branch's logits of one action: ``obs [..., D]``, ``actions [..., B]`` int32 ->
+    a tuple over branches of ``[..., K]`` float32 (:func:`select_action` of
+    ``network.apply``).
+
+    A C51 loss needs no more of the network's output. ``backend="pallas"`` runs the network
+    and the selection in one fused kernel (:func:`pallas_kernels.q_forward.fused_logits` with
+    ``actions``, tested equal), which writes ``B * K`` floats a row instead of every action's
+    logits; it has no gradient, so the learner's update differentiates ``"xla"`` (Flax).
     """
     if not _use_pallas(backend):
-        return network.apply(params, obs)
+        logits = network.apply(params, obs)
+        return tuple(select_action(l, actions[..., d]) for d, l in enumerate(logits))
     from pallas_kernels.q_forward import fused_logits
 
     lead, dim = obs.shape[:-1], obs.shape[-1]
-    logits = fused_logits(params, obs.reshape(-1, dim), network)
-    return tuple(x.reshape(lead + x.shape[1:]) for x in logits)
+    out = fused_logits(params, obs.reshape(-1, dim), network,
+                       actions=actions.reshape(-1, actions.shape[-1]))
+    return tuple(x.reshape(lead + x.shape[1:]) for x in out)
 
 
 # flax's lecun_normal: a normal truncated to [-2, 2], rescaled to unit variance, times 1/sqrt(fan_in)
@@ -280,5 +297,5 @@ def param_count(params: Any) -> int:
 
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
            "f32_precision", "make_network", "init_params", "support", "expected_q", "greedy_actions",
-           "explore_actions", "explore_draws", "apply_draws", "q_forward", "BACKENDS",
-           "flatten_params", "param_count"]
+           "explore_actions", "explore_draws", "apply_draws", "q_forward", "select_action",
+           "taken_logits", "BACKENDS", "flatten_params", "param_count"]
