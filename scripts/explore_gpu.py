@@ -75,9 +75,9 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "forward", "loopform", "rnd", "learner", "compilecache",
-            "compileopts", "compilesweep", "kernelcompile", "compileprofile", "rndcompile",
-            "profile", "launch", "overlap")
+SECTIONS = ("rollout", "rolloutpair", "replayadd", "forward", "loopform", "rnd", "learner",
+            "compilecache", "compileopts", "compilesweep", "kernelcompile", "compileprofile",
+            "rndcompile", "profile", "launch", "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -380,6 +380,75 @@ def kernel_count(compiled_text: str) -> int:
     return sum(1 for line in compiled_text.splitlines() if _LAUNCH.search(line))
 
 
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\b([a-z][a-z\-]*)\((.*)$")
+_CALLEE = re.compile(r"\b(?:to_apply|body|calls|branch_computations|true_computation|"
+                     r"false_computation)=(\{[^}]*\}|%[\w.\-]+)")
+
+
+def _computations(text: str) -> dict:
+    """``{name: [(instruction, opcode, operands, callees)]}`` of an HLO module's text."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = comps.setdefault(m.group(1), [])
+            continue
+        m = _INSTR.match(line) if cur is not None else None
+        if m:
+            name, op, rest = m.groups()
+            callees = [c for g in _CALLEE.findall(rest) for c in re.findall(r"%([\w.\-]+)", g)]
+            cur.append((name, op, re.findall(r"%([\w.\-]+)", rest), callees))
+    return comps
+
+
+def critical_path(text: str) -> dict:
+    """The loop body of a compiled program with the most kernel-launching instructions: its
+    kernels and the longest chain of them that depend one on another (a command-buffer
+    ``call`` counts its callee's chain, a ``while`` its body's, once). A learner step cannot
+    take fewer than that many kernels one after another."""
+    comps, memo, chains = _computations(text), {}, {}
+
+    def depth(comp: str) -> tuple[int, int]:  # (longest chain, kernels)
+        if comp in memo:
+            return memo[comp]
+        memo[comp] = (0, 0)
+        instrs = comps.get(comp, [])
+        defined, longest, total, best = {i[0] for i in instrs}, {}, 0, 0
+        via, end = {}, None
+        for name, op, operands, callees in instrs:
+            if op in ("fusion", "custom-call", "copy-start", "all-reduce", "sort"):
+                own, n = 1, 1
+            elif op in ("call", "while", "conditional"):
+                sub = [depth(c) for c in callees if c in comps]
+                own, n = max((d for d, _ in sub), default=0), sum(k for _, k in sub)
+            else:
+                own, n = 0, 0
+            total += n
+            prev = max((o for o in operands if o in defined and o in longest),
+                       key=longest.get, default=None)
+            longest[name], via[name] = own + (longest[prev] if prev else 0), (prev, own)
+            if longest[name] > best:
+                best, end = longest[name], name
+        chain = []
+        while end is not None:  # the chain's kernels, first to last
+            if via[end][1]:
+                chain.append(end)
+            end = via[end][0]
+        memo[comp] = (best, total)
+        chains[comp] = chain[::-1]
+        return memo[comp]
+
+    bodies = {c for ins in comps.values() for _, op, _, callees in ins if op == "while"
+              for c in callees[:1]}
+    rows = sorted(((depth(b)[1], depth(b)[0], b) for b in bodies), reverse=True)
+    if not rows:
+        return {}
+    kernels, chain, name = rows[0]
+    return {"loop_body": name, "loop_body_kernels": kernels, "loop_body_chain": chain,
+            "loop_body_chain_kernels": chains[name]}
+
+
 def _concat_online_loss(learner, params, target_params, obs, next_obs, action, returns,
                         discount):
     """per_sample_loss with the two online forwards as one over ``[2M, D]`` rows."""
@@ -392,8 +461,71 @@ def _concat_online_loss(learner, params, target_params, obs, next_obs, action, r
                              target_next, action, returns, discount, learner.support)
 
 
+def _block_head_network(network):
+    """The network with its four head output layers and the dueling combination as ONE GEMM.
+
+    The same parameter tree and the same function as ``QNetwork``: the dueling step is linear,
+    so ``V + A_d - mean_a A_d`` equals ``[h_v, h_0, .., h_{B-1}] @ W + b`` with ``W`` holding
+    the value layer tiled over every branch's actions and each advantage layer with its mean
+    over actions subtracted (block-diagonal). A candidate for fewer kernels a learner step.
+    """
+    import flax.linen as nn
+
+    from foxhunt_jax.agent import network as network_mod
+
+    class _LayerParams(nn.Module):
+        features: int
+        in_features: int
+
+        @nn.compact
+        def __call__(self):
+            k = self.param("kernel", nn.initializers.lecun_normal(),
+                           (self.in_features, self.features), jnp.float32)
+            b = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+            return k, b
+
+    class BlockHeadQNetwork(network_mod.QNetwork):
+        @nn.compact
+        def __call__(self, obs):
+            cd = network_mod._COMPUTE_DTYPES[self.dtype]
+            h = jnp.asarray(obs, jnp.float32)
+            for i, width in enumerate(self.trunk):
+                h = nn.relu(network_mod.Dense(width, cd, name=f"trunk_{i}")(h))
+            hidden = [nn.relu(network_mod.Dense(self.head, cd, name="value_hidden")(h))]
+            hidden += [nn.relu(network_mod.Dense(self.head, cd, name=f"adv{d}_hidden")(h))
+                       for d in range(len(self.branch_sizes))]
+            k, hd = self.atoms, self.head
+            wv, bv = _LayerParams(k, hd, name="value_out")()
+            total = sum(self.branch_sizes) * k
+            value_rows, adv_rows, biases, col = [], [], [], 0
+            for d, n_d in enumerate(self.branch_sizes):
+                wa, ba = _LayerParams(n_d * k, hd, name=f"adv{d}_out")()
+                wa = wa.reshape(hd, n_d, k)
+                wa = (wa - jnp.mean(wa, axis=1, keepdims=True)).reshape(hd, n_d * k)
+                ba = ba.reshape(n_d, k)
+                biases.append((bv[None, :] + ba - jnp.mean(ba, axis=0, keepdims=True)).reshape(-1))
+                value_rows.append(jnp.tile(wv, (1, n_d)))
+                adv_rows.append(jnp.pad(wa, ((0, 0), (col, total - col - n_d * k))))
+                col += n_d * k
+            w = jnp.concatenate([jnp.concatenate(value_rows, axis=1)] + adv_rows, axis=0)
+            x = jnp.concatenate(hidden, axis=-1)
+            rows = int(np.prod(x.shape[:-1]))
+            prec = network_mod.f32_precision(rows) if cd == jnp.float32 else None
+            y = jnp.dot(x.astype(cd), w.astype(cd), precision=prec,
+                        preferred_element_type=jnp.float32) + jnp.concatenate(biases)
+            out, col = [], 0
+            for n_d in self.branch_sizes:
+                out.append(y[..., col:col + n_d * k].reshape(y.shape[:-1] + (n_d, k)))
+                col += n_d * k
+            return tuple(out)
+
+    return BlockHeadQNetwork(branch_sizes=network.branch_sizes, trunk=network.trunk,
+                             head=network.head, atoms=network.atoms, dtype=network.dtype)
+
+
 def _gather_select(logits_d, action):
-    """``loss._select`` as it was before session 9: a gather (its gradient a scatter-add)."""
+    """``network.select_action`` as it was before session 9: a gather (its gradient a
+    scatter-add)."""
     return jnp.take_along_axis(logits_d, action[:, None, None], axis=1)[:, 0, :]
 
 
@@ -423,7 +555,6 @@ def section_learner(args, out: dict) -> None:
     and variants; kernels per program."""
     from foxhunt_jax.agent import curiosity as curiosity_mod
     from foxhunt_jax.agent import learner as learner_mod
-    from foxhunt_jax.agent import loss as loss_mod
     from foxhunt_jax.agent import network as network_mod
     from foxhunt_jax.agent.learner import learner_step, train_steps
     from foxhunt_jax.env import trading
@@ -466,8 +597,11 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
+            elif variant == "block_head":  # head outputs + dueling as one GEMM
+                learner = dataclasses.replace(learner, network=_block_head_network(
+                    learner.network))
             elif variant == "gather_select":  # the taken action's logits by a gather, as
-                swaps.append((loss_mod, "_select", _gather_select))  # before session 9
+                swaps.append((network_mod, "select_action", _gather_select))  # before session 9
             elif variant == "all_bf16x6":  # f32 GEMMs of any size in bf16 x6 (RND update)
                 swaps.append((network_mod, "F32_PRECISION_MIN_ROWS", 0))
             elif variant == "rnd_side_stream":  # the RND predictor's update on a CUDA
@@ -504,6 +638,7 @@ def section_learner(args, out: dict) -> None:
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
                 row["async_calls"] = text.count("call-start(")
+                row.update(critical_path(text))
                 if args.hlo_dir:
                     Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (Path(args.hlo_dir) / f"learner_{dtype}_{variant}_u{unroll}.hlo.txt"
@@ -525,7 +660,9 @@ def section_learner(args, out: dict) -> None:
                         np.max(np.abs(flat(params) - flat(base_params))))
                 print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
-                      f"in the program, compile {row['compile_s']:.1f} s, params differ from "
+                      f"in the program ({row.get('loop_body_kernels')} in the loop body, a chain of "
+                      f"{row.get('loop_body_chain')}), compile {row['compile_s']:.1f} s, "
+                      f"params differ from "
                       f"the first by {row.get('max_abs_param_diff_vs_base', 0):.3g}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -929,6 +1066,85 @@ def section_kernelcompile(args, out: dict) -> None:
             print(f"  {mode}: FAILED {str(e)[-600:]}", flush=True)
 
 
+def _add_by_select(state, items, priorities, alpha, eps):
+    """``replay.add`` of a plain buffer as one pass over the whole ring (a candidate): slot
+    ``j`` takes item ``(j - position) mod C`` where that is below ``n``, else keeps its own;
+    a gather and a select per leaf, which XLA fuses, instead of a scatter."""
+    from foxhunt_jax.agent import replay
+
+    cap, n = state.capacity, jax.tree.leaves(items)[0].shape[0]
+    offset = (jnp.arange(cap, dtype=jnp.int32) - state.position) % cap
+    fresh = offset < n
+    src = jnp.minimum(offset, n - 1)
+
+    def put(buf, x):
+        mask = fresh.reshape((cap,) + (1,) * (buf.ndim - 1))
+        return jnp.where(mask, x[src], buf)
+
+    stored = replay.transform_priorities(priorities, alpha, eps)
+    return state.replace(items=jax.tree.map(put, state.items, items),
+                         priorities=put(state.priorities, stored),
+                         position=((state.position + n) % cap).astype(jnp.int32),
+                         size=jnp.minimum(state.size + n, cap).astype(jnp.int32),
+                         max_priority=jnp.maximum(state.max_priority, jnp.max(stored)))
+
+
+def section_replayadd(args, out: dict) -> None:
+    """The Experience phase's replay add at the seed's sizes (one shard of 2^17 slots, one
+    epoch of 102,400 transitions, the trading env's 80 B items): the library's
+    ``add_shards`` (a scatter under ``vmap``), ``add`` on the shard without ``vmap``, and a
+    whole-ring select; each donating the buffer as the phase does."""
+    from foxhunt_jax.agent import replay
+
+    cap, n = (256, 96) if args.quick else (1 << 17, 102_400)
+    example = {"action": jnp.zeros((3,), jnp.int32), "discount": jnp.zeros((), jnp.float32),
+               "next_obs": {"bar": jnp.zeros((), jnp.int32),
+                            "portfolio": jnp.zeros((6,), jnp.float32)},
+               "obs": {"bar": jnp.zeros((), jnp.int32),
+                       "portfolio": jnp.zeros((6,), jnp.float32)},
+               "reward": jnp.zeros((), jnp.float32)}
+    keys = iter(jax.random.split(jax.random.key(args.seed), 64))
+
+    def fresh(shape, dtype):
+        k = next(keys)
+        if dtype == jnp.int32:
+            return jax.random.randint(k, shape, 0, 1000, jnp.int32)
+        return jax.random.normal(k, shape, dtype)
+
+    items = jax.tree.map(lambda x: fresh((1, n) + x.shape, x.dtype), example)
+    prios = jnp.abs(fresh((1, n), jnp.float32))
+    alpha, eps = 0.6, 1e-6
+    forms = {
+        "add_shards (library)": lambda st, it, p: replay.add_shards(st, it, p, alpha, eps),
+        "add per shard, no vmap": lambda st, it, p: jax.tree.map(
+            lambda x: x[None], replay.add(jax.tree.map(lambda x: x[0], st),
+                                          jax.tree.map(lambda x: x[0], it), p[0], alpha, eps)),
+        "whole-ring select": lambda st, it, p: jax.tree.map(
+            lambda x: x[None], _add_by_select(jax.tree.map(lambda x: x[0], st),
+                                              jax.tree.map(lambda x: x[0], it), p[0], alpha,
+                                              eps)),
+    }
+    out["rows"], results = [], {}
+    for name, fn in forms.items():
+        state = replay.init_shards(example, cap, 1)
+        state = state.replace(position=jnp.asarray([cap - n // 2], jnp.int32))  # wraps around
+        f = jax.jit(fn, donate_argnums=0, compiler_options=compiler_options() or None)
+        box = [f(state, items, prios)]
+        results[name] = jax.device_get(box[0])
+
+        def call(f=f, box=box):
+            box[0] = f(box[0], items, prios)
+            return box[0]
+        row = {"form": name, "capacity": cap, "added": n, **_timed(call, args.reps)}
+        out["rows"].append(row)
+        print(f"  replay add {name}: {row['ms']:.3f} ms", flush=True)
+    first = next(iter(results.values()))
+    out["equal"] = all(all(np.array_equal(a, b) for a, b in
+                           zip(jax.tree.leaves(first), jax.tree.leaves(r)))
+                       for r in results.values())
+    print(f"  all forms give the same buffer: {out['equal']}", flush=True)
+
+
 def _annotated(name: str, fn, host: dict):
     """``fn`` inside a profiler annotation ``phase:name`` that ends once its results are ready;
     appends (ms until the call returned, ms until its results were ready) to ``host[name]``.
@@ -1038,6 +1254,11 @@ def section_profile(args, out: dict) -> None:
     cfg = tr.cfg
     state = tr.init_state()
     tr.compile(state)
+    if args.hlo_dir:  # the phase programs as compiled, for a critical-path reading
+        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+        for name, compiled in tr._phases.items():
+            if hasattr(compiled, "as_text"):
+                (Path(args.hlo_dir) / f"phase_{name}.hlo.txt").write_text(compiled.as_text())
     host = {}
     tr._phases = {n: _annotated(n, f, host) for n, f in tr._phases.items()}
     walls = {}
@@ -1157,7 +1378,8 @@ def main(argv=None) -> dict:
                          "before optax.flatten), no_rnd, concat_online (one online forward over s "
                          "and s'), gather_select (the taken action's logits by a gather), "
                          "all_bf16x6 (f32 GEMMs of every size in bf16 x6), f32_as_bf16 (a "
-                         "diagnostic: every f32 GEMM as one bf16 product)")
+                         "diagnostic: every f32 GEMM as one bf16 product), block_head (the head "
+                         "output layers and the dueling step as one GEMM)")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",
@@ -1168,7 +1390,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-options", default="",
                     help="';'-separated XLA compile-option sets name=value[,name=value], each "
                          "timed as a learner variant")
-    ap.add_argument("--hlo-dir", default=None, help="write each compiled learner program here")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="write each compiled learner program (and profile's phases) here")
     ap.add_argument("--profile-epochs", type=int, default=3, help="epochs traced by profile")
     ap.add_argument("--profile-events", default=None,
                     help="write the profile's raw kernel events of one epoch here (JSON)")
