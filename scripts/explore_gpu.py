@@ -75,9 +75,9 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "replayadd", "forward", "loopform", "rnd", "learner",
-            "compilecache", "compileopts", "compilesweep", "kernelcompile", "compileprofile",
-            "rndcompile", "profile", "launch", "overlap")
+SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "forward", "loopform", "rnd",
+            "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
+            "compileprofile", "rndcompile", "profile", "launch", "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -216,6 +216,72 @@ def section_rolloutpair(args, out: dict) -> None:
         f = jax.jit(fn, compiler_options=opts or None).lower(s.agent.params).compile()
         jax.block_until_ready(f(s.agent.params))
         row = {"form": name, "options": opts, "first_call_s": time.perf_counter() - t0,
+               **_timed(lambda: f(s.agent.params), args.reps)}
+        print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "
+              "s)", flush=True)
+        out["rows"].append(row)
+
+
+def section_rollouttail(args, out: dict) -> None:
+    """Can the Experience phase's work after its rollout (the three no-gradient forwards of the
+    initial priorities and the curiosity pass) run beside the rollout kernel, which holds 64 of
+    the GPU's multiprocessors at the seed's N = 1,024? The collection rollout in one launch of
+    L steps and in two of L/2, the tail's work over the rows of L/2 steps alone, and both in one
+    program: the tail of the first half's rows after the first half, beside the second half
+    (what a rollout in chunks would do), against after both halves. Same inputs, medians."""
+    from foxhunt_jax.agent import curiosity
+    from foxhunt_jax.agent.network import q_forward, taken_logits
+    from foxhunt_jax.training.collect import step_keys
+    from foxhunt_jax.training.fused import rollout_draws
+    from pallas_kernels.rollout import fused_rollout
+
+    L, half = args.length, args.length // 2
+    s = _setup(args, "pallas", "bfloat16", args.small_n)
+    net, z, rnd = s.learner.network, s.learner.support, s.agent.rnd
+    draws, resets = jax.jit(lambda p, k: rollout_draws(
+        net.branch_sizes, p, step_keys(k, L), args.small_n, jnp.float32(0.1)))(
+            s.env_p, jax.random.key(args.seed + 2))
+    rows = half * args.small_n
+    k1, k2, k3 = jax.random.split(jax.random.key(args.seed + 3), 3)
+    obs = jax.random.normal(k1, (rows, s.tr.obs_dim), jnp.float32)
+    next_obs = jax.random.normal(k2, (rows, s.tr.obs_dim), jnp.float32)
+    acts = jnp.stack([jax.random.randint(k, (rows,), 0, n) for k, n in
+                      zip(jax.random.split(k3, len(net.branch_sizes)), net.branch_sizes)], 1)
+
+    def roll(p, state, lo, hi):
+        return fused_rollout(p, net, z, s.env_p, state, hi - lo, draws=draws[lo:hi],
+                             reset_bars=resets[lo:hi])
+
+    def tail(p, after):  # `after`: a value the work must wait for (0.0, added to its input)
+        o, o2 = obs + after, next_obs + after
+        _, best = q_forward(p, o2, net, z, "pallas")
+        return (taken_logits(p, o, acts, net, "pallas"), taken_logits(p, o2, best, net, "pallas"),
+                curiosity.prediction_error(rnd, o2))
+
+    def wait_on(traj):
+        return 0.0 * traj[0]["reward"][-1, 0]
+
+    def chunked(p, tail_after_first: bool):
+        t1, end1 = roll(p, s.rollout.env_state, 0, half)
+        t2, end2 = roll(p, end1, half, L)
+        return t1, t2, tail(p, wait_on((t1,) if tail_after_first else (t2,)))
+
+    forms = {"rollout, one launch of L steps": lambda p: roll(p, s.rollout.env_state, 0, L),
+             "rollout, two launches of L/2": lambda p: chunked(p, True)[:2],
+             "tail work of L/2 steps' rows alone": lambda p: tail(p, 0.0),
+             "two launches, the tail after the second": lambda p: chunked(p, False),
+             "two launches, the tail after the first (beside the second)":
+                 lambda p: chunked(p, True)}
+    out["rows"] = []
+    for name, fn in forms.items():
+        if time.perf_counter() > args._deadline:
+            out.setdefault("skipped", []).append(name)
+            continue
+        t0 = time.perf_counter()
+        f = jax.jit(fn, compiler_options=compiler_options() or None).lower(
+            s.agent.params).compile()
+        jax.block_until_ready(f(s.agent.params))
+        row = {"form": name, "tail_rows": rows, "first_call_s": time.perf_counter() - t0,
                **_timed(lambda: f(s.agent.params), args.reps)}
         print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "
               "s)", flush=True)
