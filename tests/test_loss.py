@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from foxhunt_jax.agent.loss import c51_double_q_loss, categorical_projection, n_step_targets
+from foxhunt_jax.agent.loss import (c51_double_q_loss, c51_loss, categorical_projection,
+                                    n_step_targets)
 from foxhunt_jax.agent.network import support
 from foxhunt_jax.errors import ConfigError
 
@@ -197,6 +198,24 @@ def test_loss_matches_reference(rng, branches, k):
     chex.assert_type(loss, jnp.float32)
     ref = np_loss(*args, np.linspace(-10.0, 10.0, k))
     assert rel_err(loss, ref) < 1e-5
+
+
+def test_loss_from_chosen_rows_matches_reference(rng):
+    """c51_loss takes each branch's chosen logits: the taken action's online row and the target
+    row of the online greedy action at s' (picked here in NumPy); the same loss."""
+    m, k, branches = 48, 11, (5, 3, 3)
+    online_s, online_next, target_next, actions, returns, discounts = _loss_inputs(
+        rng, m, branches, k)
+    zr, rows = np.linspace(-10.0, 10.0, k), np.arange(m)
+    best = [np.argmax(np_softmax(x) @ zr, axis=-1) for x in online_next]
+    taken = tuple(x[rows, actions[:, d]] for d, x in enumerate(online_s))
+    target = tuple(x[rows, best[d]] for d, x in enumerate(target_next))
+    loss = jax.jit(c51_loss)(taken, target, returns, discounts, support(-10.0, 10.0, k))
+    chex.assert_shape(loss, (m,))
+    ref = np_loss(online_s, online_next, target_next, actions, returns, discounts, zr)
+    assert rel_err(loss, ref) < 1e-5
+    with pytest.raises(ValueError, match="same number of branches"):
+        c51_loss(taken, target[:2], returns, discounts, support(-10.0, 10.0, k))
 
 
 def test_loss_edge_cases(rng):
