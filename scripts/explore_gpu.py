@@ -9,6 +9,11 @@ default was chosen from, each in the same process so ratios are fair:
 - ``rolloutpair``: the seed epoch's collection and validation rollouts as two kernel launches of
   one program, with command buffers scheduled as a DAG (the library's) and serialized, and each
   alone;
+- ``rollouttail``: the collection rollout in one launch and in two, the Experience phase's
+  post-rollout work (priority forwards, curiosity pass) over half the steps' rows alone, and
+  that work after the second launch against beside it;
+- ``replayadd``: the Experience phase's replay add (the library's scatter under ``vmap``, the
+  scatter without it, a select over the whole ring) at the seed's sizes;
 - ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
   logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
   tail it used to compute;
@@ -19,9 +24,11 @@ default was chosen from, each in the same process so ratios are fair:
 - ``learner``: the seed's 50 learner steps (the library's pipelined ``train_steps`` with each
   unroll factor of ``--unrolls``) and variants (the loop not pipelined, the taken action's
   logits by a gather, f32 GEMM algorithms, optimizer per tensor, curiosity off, the RND update
-  on a CUDA stream of its own, one online forward over s and s', XLA compile options from
-  ``--learner-options``), with the number of kernel-launching instructions in each compiled
-  program and how far each variant's parameters end up from the first's;
+  on a CUDA stream of its own, one online forward over s and s', the head output layers and
+  the dueling step as one GEMM, XLA compile options from ``--learner-options``), with the
+  number of kernel-launching instructions in each compiled program, the longest chain of
+  dependent kernels in its loop body (:func:`critical_path`), and how far each variant's
+  parameters end up from the first's;
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
