@@ -12,9 +12,11 @@ come in from device memory and only the actions (and optionally the expected Q) 
 version writes and re-reads every intermediate activation between its GEMM and fusion kernels.
 
 :func:`fused_logits` is the same kernel stopping at the dueling logits (``network.apply``'s
-output, for the initial priorities and the validation loss, which need no gradient): at 2^20
-rows 2.81 ms against 4.38 ms for XLA, at 102,400 rows (the seed's experience phase) 0.61
-against 0.67 ms (BENCHMARKS.md, session 5, when it still computed the greedy tail too).
+output): at 2^20 rows 2.81 ms against 4.38 ms for XLA (BENCHMARKS.md, session 5). Given an
+action per branch and row it writes only those actions' logits, which is what the initial
+priorities and the validation loss read (``network.taken_logits``): at 102,400 rows 0.39 ms
+against 0.59 ms for XLA, and the loss after it reads 0.4 instead of 3 KB a transition
+(BENCHMARKS.md, session 12).
 
 The weights stream from device memory (L2) through each program once per block of rows. The
 kernel reads them through :class:`_Blocks`, which can issue each block's load a few blocks
