@@ -121,10 +121,38 @@ def _timed(fn, reps: int) -> dict:
     return {"ms": statistics.median(ms), "spread": spread(ms)}
 
 
-def section_rollout(args, out: dict) -> None:
-    """The rollout kernel under several launch shapes, same inputs, same process."""
+def _collect_draws(args, s, steps: int, n: int):
+    """The exploration and reset draws a collection call of ``steps`` steps of ``n`` episodes
+    makes (epsilon 0.1), from the run's seed; outside the timed kernels."""
     from foxhunt_jax.training.collect import step_keys
     from foxhunt_jax.training.fused import rollout_draws
+
+    return jax.jit(lambda p, k: rollout_draws(
+        s.learner.network.branch_sizes, p, step_keys(k, steps), n, jnp.float32(0.1)))(
+            s.env_p, jax.random.key(args.seed + 2))
+
+
+def _time_forms(args, out: dict, forms: dict, params, **row) -> None:
+    """Compiles each ``{name: (fn, compile options)}`` of ``forms`` over ``params`` and times
+    it (medians of ``args.reps`` calls) into ``out["rows"]``, with ``row``'s fields; forms past
+    the deadline go to ``out["skipped"]``."""
+    out["rows"] = []
+    for name, (fn, opts) in forms.items():
+        if time.perf_counter() > args._deadline:
+            out.setdefault("skipped", []).append(name)
+            continue
+        t0 = time.perf_counter()
+        f = jax.jit(fn, compiler_options=opts or None).lower(params).compile()
+        jax.block_until_ready(f(params))
+        res = {"form": name, "options": opts, **row, "first_call_s": time.perf_counter() - t0,
+               **_timed(lambda: f(params), args.reps)}
+        print(f"  {name}: {res['ms']:.3f} ms (compile and first call {res['first_call_s']:.1f} "
+              "s)", flush=True)
+        out["rows"].append(res)
+
+
+def section_rollout(args, out: dict) -> None:
+    """The rollout kernel under several launch shapes, same inputs, same process."""
     from pallas_kernels.rollout import fused_rollout
 
     L = args.length
@@ -136,10 +164,7 @@ def section_rollout(args, out: dict) -> None:
     for mode, n, shapes in cases:
         s = _setup(args, "pallas", "bfloat16", n)
         net = s.learner.network
-        # the draws a collection call makes, outside the timed kernel
-        draws, resets = jax.jit(lambda p, k: rollout_draws(
-            net.branch_sizes, p, step_keys(k, L), n, jnp.float32(0.1)))(
-                s.env_p, jax.random.key(args.seed + 2))
+        draws, resets = _collect_draws(args, s, L, n)
         state = s.rollout.env_state
         reps = 3 if n >= (1 << 18) else args.reps
         runs = [(shape, fused_rollout, "") for shape in shapes]
@@ -190,17 +215,13 @@ def section_rolloutpair(args, out: dict) -> None:
     from foxhunt_jax.env import trading
     from foxhunt_jax.jitcache import SCHEDULING_OPTION
     from foxhunt_jax.training import validate
-    from foxhunt_jax.training.collect import step_keys
-    from foxhunt_jax.training.fused import rollout_draws
     from pallas_kernels.rollout import fused_rollout
 
     L = args.length
     s = _setup(args, "pallas", "bfloat16", args.small_n)
     net, z = s.learner.network, s.learner.support
     val_p = s.tr.env_params["validation"]
-    draws, resets = jax.jit(lambda p, k: rollout_draws(
-        net.branch_sizes, p, step_keys(k, L), args.small_n, jnp.float32(0.1)))(
-            s.env_p, jax.random.key(args.seed + 2))
+    draws, resets = _collect_draws(args, s, L, args.small_n)
     starts = jnp.asarray(validate.window_starts(np.asarray(val_p.starts), args.val_n))
     _, val_state = jax.jit(jax.vmap(trading.reset_at, in_axes=(0, None)))(starts, val_p)
     first = dict(network=net, support=z, env_params=s.env_p, state=s.rollout.env_state,
@@ -214,19 +235,7 @@ def section_rolloutpair(args, out: dict) -> None:
              "both, two launches": (both, library),
              "both, two launches, command buffers serialized":
                  (both, {**library, SCHEDULING_OPTION: "SERIALIZE"})}
-    out["rows"] = []
-    for name, (fn, opts) in forms.items():
-        if time.perf_counter() > args._deadline:
-            out.setdefault("skipped", []).append(name)
-            continue
-        t0 = time.perf_counter()
-        f = jax.jit(fn, compiler_options=opts or None).lower(s.agent.params).compile()
-        jax.block_until_ready(f(s.agent.params))
-        row = {"form": name, "options": opts, "first_call_s": time.perf_counter() - t0,
-               **_timed(lambda: f(s.agent.params), args.reps)}
-        print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "
-              "s)", flush=True)
-        out["rows"].append(row)
+    _time_forms(args, out, forms, s.agent.params)
 
 
 def section_rollouttail(args, out: dict) -> None:
@@ -238,16 +247,12 @@ def section_rollouttail(args, out: dict) -> None:
     (what a rollout in chunks would do), against after both halves. Same inputs, medians."""
     from foxhunt_jax.agent import curiosity
     from foxhunt_jax.agent.network import q_forward, taken_logits
-    from foxhunt_jax.training.collect import step_keys
-    from foxhunt_jax.training.fused import rollout_draws
     from pallas_kernels.rollout import fused_rollout
 
     L, half = args.length, args.length // 2
     s = _setup(args, "pallas", "bfloat16", args.small_n)
     net, z, rnd = s.learner.network, s.learner.support, s.agent.rnd
-    draws, resets = jax.jit(lambda p, k: rollout_draws(
-        net.branch_sizes, p, step_keys(k, L), args.small_n, jnp.float32(0.1)))(
-            s.env_p, jax.random.key(args.seed + 2))
+    draws, resets = _collect_draws(args, s, L, args.small_n)
     rows = half * args.small_n
     k1, k2, k3 = jax.random.split(jax.random.key(args.seed + 3), 3)
     obs = jax.random.normal(k1, (rows, s.tr.obs_dim), jnp.float32)
@@ -279,20 +284,9 @@ def section_rollouttail(args, out: dict) -> None:
              "two launches, the tail after the second": lambda p: chunked(p, False),
              "two launches, the tail after the first (beside the second)":
                  lambda p: chunked(p, True)}
-    out["rows"] = []
-    for name, fn in forms.items():
-        if time.perf_counter() > args._deadline:
-            out.setdefault("skipped", []).append(name)
-            continue
-        t0 = time.perf_counter()
-        f = jax.jit(fn, compiler_options=compiler_options() or None).lower(
-            s.agent.params).compile()
-        jax.block_until_ready(f(s.agent.params))
-        row = {"form": name, "tail_rows": rows, "first_call_s": time.perf_counter() - t0,
-               **_timed(lambda: f(s.agent.params), args.reps)}
-        print(f"  {name}: {row['ms']:.3f} ms (compile and first call {row['first_call_s']:.1f} "
-              "s)", flush=True)
-        out["rows"].append(row)
+    library = compiler_options()
+    _time_forms(args, out, {k: (fn, library) for k, fn in forms.items()}, s.agent.params,
+                tail_rows=rows)
 
 
 def section_forward(args, out: dict) -> None:
