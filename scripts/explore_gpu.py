@@ -17,6 +17,8 @@ default was chosen from, each in the same process so ratios are fair:
 - ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
   logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
   tail it used to compute;
+- ``fwdloop``: one Q-forward's latency at the learner's 64 rows (50 dependent forwards in one
+  program), XLA against the fused kernels, and the loss's three forwards side by side;
 - ``loopform``: the collection loop as one rollout kernel against a ``lax.scan`` of per-step
   kernels (fused Q-forward, and plain XLA), by N, curiosity off;
 - ``rnd``: the curiosity pass over 2^22 observations with each GEMM precision, and its error
@@ -66,8 +68,10 @@ import contextlib
 import dataclasses
 import json
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -82,7 +86,8 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "forward", "loopform", "rnd",
+SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "forward", "fwdloop", "loopform",
+            "rnd",
             "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
             "compileprofile", "rndcompile", "profile", "launch", "overlap")
 
@@ -328,6 +333,132 @@ def section_forward(args, out: dict) -> None:
             out["rows"].append(row)
 
 
+def section_fwdloop(args, out: dict) -> None:
+    """Latency of one Q-forward at the learner's batch (64 rows): a ``lax.scan`` of 50 forwards,
+    each one's observations waiting on the one before (plus a tiny multiple of its output's
+    mean), so a forward's time is the program's over 50. XLA (Flax) against the fused kernels
+    (logits, the chosen actions' logits, greedy actions; ``--forward-shapes`` launch shapes),
+    and the three forwards a C51 double-Q loss needs (online at s, online greedy at s', target
+    at s') side by side in one iteration."""
+    from foxhunt_jax.agent.network import q_forward, taken_logits
+    from pallas_kernels import q_forward as qf
+
+    tr = _trainer(args, "pallas", "bfloat16")
+    net, z, dim = tr.learner.network, tr.learner.support, tr.obs_dim
+    m, iters = args.batch_rows, 50
+    params = jax.jit(net.init)(jax.random.key(args.seed), jnp.zeros((1, dim)))
+    target = jax.tree.map(lambda x: x * 1.01, params)
+    obs0 = jax.random.normal(jax.random.key(args.seed + 1), (m, dim), jnp.float32)
+    acts = jnp.zeros((m, len(net.branch_sizes)), jnp.int32)
+
+    def mean_of(tree):
+        leaves = jax.tree.leaves(tree)
+        return sum(jnp.mean(x.astype(jnp.float32)) for x in leaves) / len(leaves)
+
+    def looped(one):  # params -> program of `iters` dependent forwards
+        def prog(p):
+            def body(o, _):
+                return o + 1e-12 * mean_of(one(p, o)), None
+            return jax.lax.scan(body, obs0, None, length=iters)[0]
+        return prog
+
+    def three(backend):  # the loss's three forwards in one iteration
+        def one(p, o):
+            _, best = q_forward(p, o, net, z, backend)
+            return (taken_logits(p, o, acts, net, backend),
+                    taken_logits(target, o, best, net, backend))
+        return one
+
+    def three_full_target(p, o):  # the target's logits of every action beside the greedy
+        _, best = q_forward(p, o, net, z, "pallas")
+        return (taken_logits(p, o, acts, net, "pallas"), qf.fused_logits(target, o, net), best)
+
+    forms = {"xla_logits": (looped(lambda p, o: net.apply(p, o)), None),
+             "xla_taken": (looped(lambda p, o: taken_logits(p, o, acts, net)), None),
+             "xla_three": (looped(three("xla")), None),
+             "pallas_three": (looped(three("pallas")), None),
+             "pallas_three_full_target": (looped(three_full_target), None),
+             "pallas_greedy": (looped(lambda p, o: q_forward(p, o, net, z, "pallas")[1]), None)}
+    for shape in (None,) + tuple(args.forward_shapes):
+        kc = None if shape is None else _kernel_config(shape)
+        tag = "default" if shape is None else "x".join(str(v) for v in shape[:3] if v) + (
+            f"p{shape[3]}" if shape[3] else "")
+        forms[f"pallas_logits_{tag}"] = (looped(
+            lambda p, o, _kc=kc: qf.fused_logits(p, o, net, config=_kc)), None)
+        forms[f"pallas_taken_{tag}"] = (looped(
+            lambda p, o, _kc=kc: qf.fused_logits(p, o, net, actions=acts, config=_kc)), None)
+    _time_forms(args, out, forms, params, rows=m, iters=iters)
+    for row in out["rows"]:
+        row["us_per_forward"] = row["ms"] * 1e3 / iters
+        print(f"  {row['form']}: {row['us_per_forward']:.1f} us an iteration", flush=True)
+
+
+def _in_trainer(tr, learner, state, swaps: list, calls: int, steps: int) -> dict:
+    """A learner variant timed in the trainer's own training program (its shardings, donated
+    state, the env's tables as arguments): ``calls`` calls queued back to back, each taking the
+    state the one before returned, so the host's dispatch of one call overlaps the GPU's work on
+    the one before; three such runs, the median. The explore program above is timed one
+    synchronized call at a time, dispatch included."""
+    trv = dataclasses.replace(tr, learner=learner, _phases=None)
+    state = jax.device_put(state, trv.shardings(state))
+    with contextlib.ExitStack() as swapped:
+        for module, name, value in swaps:
+            swapped.enter_context(mock.patch.object(module, name, value))
+        fn, fargs = trv.phase_programs(state)["training"]
+        compiled = fn.lower(*fargs).compile()
+    p, sched = fargs[0], fargs[2]
+    st = jax.tree.map(jnp.copy, state)
+    st, _ = compiled(p, st, sched)  # warm-up
+    jax.block_until_ready(st)
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            st, m = compiled(p, st, sched)
+        jax.block_until_ready((st, m))
+        runs.append((time.perf_counter() - t0) * 1e3 / calls)
+    ms = statistics.median(runs)
+    return {"trainer_ms": ms, "trainer_runs_ms": runs, "trainer_us_per_step": ms * 1e3 / steps}
+
+
+def _count_locate(blocks, cum, u, v):
+    """``replay._locate`` with the block found as the count of cumulative masses at or below
+    ``u`` (``searchsorted(side="right")``'s value) in one ``[M, C/S]`` compare-and-sum, instead
+    of an unrolled binary search."""
+    from foxhunt_jax.agent.replay import _last_positive
+
+    s = blocks.shape[1]
+    b = jnp.sum(cum[None, :] <= u[:, None], axis=1).astype(jnp.int32)
+    b = jnp.minimum(b, _last_positive(cum))
+    local = jnp.cumsum(blocks[b], axis=1)
+    walk = v * local[:, -1]
+    j = jnp.sum(local <= walk[:, None], axis=1).astype(jnp.int32)
+    j = jnp.minimum(j, _last_positive(local))
+    return b * s + j
+
+
+def _pallas_next_loss(full_target: bool):
+    """per_sample_loss with the two forwards at s' (no gradient) in the fused kernels: the
+    online greedy actions, and the target's logits of those actions (``full_target``: of every
+    action, computed beside the greedy kernel and selected after it)."""
+    from foxhunt_jax.agent.loss import c51_loss
+    from foxhunt_jax.agent.network import q_forward, select_action, taken_logits
+    from pallas_kernels.q_forward import fused_logits
+
+    def loss(learner, params, target_params, obs, next_obs, action, returns, discount,
+             backend="xla"):
+        net, z = learner.network, learner.support
+        _, best = q_forward(jax.lax.stop_gradient(params), next_obs, net, z, "pallas")
+        if full_target:
+            tl = fused_logits(target_params, next_obs, net)
+            target = tuple(select_action(l, best[:, d]) for d, l in enumerate(tl))
+        else:
+            target = taken_logits(target_params, next_obs, best, net, "pallas")
+        return c51_loss(taken_logits(params, obs, action, net, backend), target, returns,
+                        discount, z)
+    return loss
+
+
 def section_loopform(args, out: dict) -> None:
     """collect.trajectory three ways, curiosity off: rollout kernel, scan of fused forwards,
     scan of XLA forwards (all bfloat16)."""
@@ -469,51 +600,108 @@ def _computations(text: str) -> dict:
     return comps
 
 
-def critical_path(text: str) -> dict:
+def critical_path(text: str, weights: dict | None = None) -> dict:
     """The loop body of a compiled program with the most kernel-launching instructions: its
     kernels and the longest chain of them that depend one on another (a command-buffer
     ``call`` counts its callee's chain, a ``while`` its body's, once). A learner step cannot
-    take fewer than that many kernels one after another."""
-    comps, memo, chains = _computations(text), {}, {}
+    take fewer than that many kernels one after another.
 
-    def depth(comp: str) -> tuple[int, int]:  # (longest chain, kernels)
-        if comp in memo:
-            return memo[comp]
-        memo[comp] = (0, 0)
-        instrs = comps.get(comp, [])
-        defined, longest, total, best = {i[0] for i in instrs}, {}, 0, 0
-        via, end = {}, None
-        for name, op, operands, callees in instrs:
-            if op in ("fusion", "custom-call", "copy-start", "all-reduce", "sort"):
-                own, n = 1, 1
-            elif op in ("call", "while", "conditional"):
-                sub = [depth(c) for c in callees if c in comps]
-                own, n = max((d for d, _ in sub), default=0), sum(k for _, k in sub)
-            else:
-                own, n = 0, 0
-            total += n
-            prev = max((o for o in operands if o in defined and o in longest),
-                       key=longest.get, default=None)
-            longest[name], via[name] = own + (longest[prev] if prev else 0), (prev, own)
-            if longest[name] > best:
-                best, end = longest[name], name
-        chain = []
-        while end is not None:  # the chain's kernels, first to last
-            if via[end][1]:
-                chain.append(end)
-            end = via[end][0]
-        memo[comp] = (best, total)
-        chains[comp] = chain[::-1]
-        return memo[comp]
-
+    ``weights`` (``{kernel name: us}``, names as the profiler shows them: the instruction's
+    with ``.`` as ``_``): also the chain with the most kernel time (``loop_body_timed_*``)."""
+    comps = _computations(text)
     bodies = {c for ins in comps.values() for _, op, _, callees in ins if op == "while"
               for c in callees[:1]}
-    rows = sorted(((depth(b)[1], depth(b)[0], b) for b in bodies), reverse=True)
+    counted = _longest_chains(comps, lambda name: 1.0)
+    rows = sorted(((counted[b][1], counted[b][0], b) for b in bodies if b in counted),
+                  reverse=True)
     if not rows:
         return {}
     kernels, chain, name = rows[0]
-    return {"loop_body": name, "loop_body_kernels": kernels, "loop_body_chain": chain,
-            "loop_body_chain_kernels": chains[name]}
+    out = {"loop_body": name, "loop_body_kernels": int(kernels), "loop_body_chain": int(chain),
+           "loop_body_chain_kernels": counted[name][2]}
+    if weights is not None:
+        us_of = _instruction_us(text, weights)
+        timed = _longest_chains(comps, lambda k: us_of.get(k, 0.0))
+        us, _, kernels_on = timed[name]
+        out.update(loop_body_timed_chain_us=us, loop_body_timed_chain=[
+            [k, round(us_of.get(k, 0.0), 2)] for k in kernels_on])
+    return out
+
+
+_DEDUP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?deduplicated_name="([\w.\-]+)"')
+
+
+def _instruction_us(text: str, kernel_us: dict) -> dict:
+    """``{instruction: us}`` from the traced ``{kernel name: us}``. XLA launches one kernel for
+    the instructions it found identical (one ``deduplicated_name``), and the trace names that
+    kernel after one of them, not always the one the group is named after; the group's time is
+    shared out evenly among its instructions."""
+    group = {}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            d = _DEDUP.match(line)
+            group[m.group(1)] = d.group(2) if d else m.group(1)
+    by_trace_name = {name.replace(".", "_"): g for name, g in group.items()}
+    size, us = {}, {}
+    for g in group.values():
+        size[g] = size.get(g, 0) + 1
+    for k, v in kernel_us.items():
+        g = by_trace_name.get(k)
+        if g is not None:
+            us[g] = us.get(g, 0.0) + v
+    return {name: us[g] / size[g] for name, g in group.items() if g in us}
+
+
+def _longest_chains(comps: dict, weight) -> dict:
+    """``{computation: (longest chain's weight, kernels, the chain's kernels)}``: each kernel
+    counts ``weight(name)``, a ``call``/``while``/``conditional`` its callees' longest chain."""
+    memo = {}
+
+    def depth(comp: str) -> tuple[float, int, list]:
+        if comp in memo:
+            return memo[comp]
+        memo[comp] = (0.0, 0, [])
+        instrs = comps.get(comp, [])
+        defined, longest, total, best = {i[0] for i in instrs}, {}, 0, 0.0
+        via, end = {}, None
+        for name, op, operands, callees in instrs:
+            if op in ("fusion", "custom-call", "copy-start", "all-reduce", "sort"):
+                own, n, sub_chain = weight(name), 1, [name]
+            elif op in ("call", "while", "conditional"):
+                sub = [depth(c) for c in callees if c in comps]
+                top = max(sub, key=lambda x: x[0], default=(0.0, 0, []))
+                own, n, sub_chain = top[0], sum(k for _, k, _ in sub), top[2]
+            else:
+                own, n, sub_chain = 0.0, 0, []
+            total += n
+            prev = max((o for o in operands if o in defined and o in longest),
+                       key=longest.get, default=None)
+            longest[name] = own + (longest[prev] if prev else 0.0)
+            via[name] = (prev, sub_chain if n else [])
+            if end is None or longest[name] > best:
+                best, end = longest[name], name
+        chain = []
+        while end is not None:  # the chain's kernels, last to first
+            chain = via[end][1] + chain
+            end = via[end][0]
+        memo[comp] = (best, total, chain)
+        return memo[comp]
+
+    for c in comps:
+        depth(c)
+    return memo
+
+
+def _step_kernel_us(trace_dir: str, steps: int) -> dict:
+    """``{kernel name: us per learner step}`` from the traces under ``trace_dir`` (``steps``
+    learner steps traced in all)."""
+    per = {}
+    for path in Path(trace_dir).rglob("*.xplane.pb"):
+        _, kernels, _, _ = _gpu_events(str(path))
+        for start, end, _, name in kernels:
+            per[name] = per.get(name, 0.0) + (end - start) / 1e3
+    return {k: v / steps for k, v in per.items()}
 
 
 def _concat_online_loss(learner, params, target_params, obs, next_obs, action, returns,
@@ -623,6 +811,7 @@ def section_learner(args, out: dict) -> None:
     from foxhunt_jax.agent import curiosity as curiosity_mod
     from foxhunt_jax.agent import learner as learner_mod
     from foxhunt_jax.agent import network as network_mod
+    from foxhunt_jax.agent import replay as replay_mod
     from foxhunt_jax.agent.learner import learner_step, train_steps
     from foxhunt_jax.env import trading
     from foxhunt_jax.training.trainer import experience_phase
@@ -664,6 +853,17 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
+            elif variant == "count_search":  # the block found by one compare-and-count
+                swaps.append((replay_mod, "_locate", _count_locate))
+            elif variant == "norm_tree":  # the clip's norm over the gradient tree, before
+                t = s.cfg.train  # the concatenation optax.flatten makes for Adam
+                learner = dataclasses.replace(learner, optimizer=optax.chain(
+                    optax.clip_by_global_norm(t.max_grad_norm),
+                    optax.flatten(optax.adam(t.learning_rate, eps=t.adam_eps))))
+                agent = agent.replace(opt_state=learner.optimizer.init(agent.params))
+            elif variant in ("pallas_next", "pallas_next_full"):  # s' forwards fused
+                swaps.append((learner_mod, "per_sample_loss",
+                              _pallas_next_loss(variant == "pallas_next_full")))
             elif variant == "block_head":  # head outputs + dueling as one GEMM
                 learner = dataclasses.replace(learner, network=_block_head_network(
                     learner.network))
@@ -714,6 +914,24 @@ def section_learner(args, out: dict) -> None:
                 row.update(_timed(lambda: compiled(agent, state.buffer, next(keys)),
                                   args.reps))
                 row["us_per_step"] = row["ms"] * 1e3 / k
+                if args.learner_in_trainer:
+                    row.update(_in_trainer(tr, learner, state.replace(agent=agent), swaps,
+                                           args.learner_in_trainer, k))
+                if args.learner_trace:  # kernel times (visible with command buffers off)
+                    tdir = tempfile.mkdtemp(prefix="learner-trace-")
+                    with jax.profiler.trace(tdir):
+                        for _ in range(args.learner_trace):
+                            jax.block_until_ready(compiled(agent, state.buffer, next(keys)))
+                    w = _step_kernel_us(tdir, args.learner_trace * k)
+                    shutil.rmtree(tdir, ignore_errors=True)
+                    row.update(critical_path(text, w))
+                    row["kernel_us_per_step"] = sum(w.values())
+                    row["kernels_traced_per_step"] = {n: round(v, 3) for n, v in sorted(
+                        w.items(), key=lambda x: -x[1])}
+                    print(f"    kernel time {row['kernel_us_per_step']:.1f} us a step; the "
+                          f"longest chain by time {row['loop_body_timed_chain_us']:.1f} us: "
+                          + ", ".join(f"{n} {u}" for n, u in row["loop_body_timed_chain"]),
+                          flush=True)
                 # same inputs and key as the first variant: how far its parameters end up
                 params = compiled(agent, state.buffer, jax.random.key(2))[0]
                 params = jax.device_get(params.params)
@@ -725,6 +943,9 @@ def section_learner(args, out: dict) -> None:
                         [np.ravel(x) for x in jax.tree.leaves(tree)])
                     row["max_abs_param_diff_vs_base"] = float(
                         np.max(np.abs(flat(params) - flat(base_params))))
+                if "trainer_us_per_step" in row:
+                    print(f"    in the trainer's training program: "
+                          f"{row['trainer_us_per_step']:.1f} us/step", flush=True)
                 print(f"  learner {dtype} unroll={unroll} {variant}: {row['ms']:.2f} ms "
                       f"({row['us_per_step']:.1f} us/step), {row['kernels_in_program']} kernels "
                       f"in the program ({row.get('loop_body_kernels')} in the loop body, a chain of "
@@ -1446,7 +1667,11 @@ def main(argv=None) -> dict:
                          "and s'), gather_select (the taken action's logits by a gather), "
                          "all_bf16x6 (f32 GEMMs of every size in bf16 x6), f32_as_bf16 (a "
                          "diagnostic: every f32 GEMM as one bf16 product), block_head (the head "
-                         "output layers and the dueling step as one GEMM)")
+                         "output layers and the dueling step as one GEMM), pallas_next (the "
+                         "forwards at s' in the fused kernels), pallas_next_full (the same with "
+                         "the target's logits of every action), count_search (the block of a "
+                         "draw by one compare-and-count), norm_tree (the clip's norm over the "
+                         "gradient tree, Adam on the flat vector))")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",
@@ -1457,6 +1682,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-options", default="",
                     help="';'-separated XLA compile-option sets name=value[,name=value], each "
                          "timed as a learner variant")
+    ap.add_argument("--learner-in-trainer", type=int, default=0,
+                    help="also time each learner variant in the trainer's training program, "
+                         "this many calls queued back to back (three runs, the median)")
+    ap.add_argument("--learner-trace", type=int, default=0,
+                    help="trace this many calls of each learner variant and weigh its loop "
+                         "body's chains by kernel time (run with XLA_FLAGS="
+                         "--xla_gpu_enable_command_buffer= so the kernels are visible)")
     ap.add_argument("--hlo-dir", default=None,
                     help="write each compiled learner program (and profile's phases) here")
     ap.add_argument("--profile-epochs", type=int, default=3, help="epochs traced by profile")
@@ -1474,6 +1706,7 @@ def main(argv=None) -> dict:
     args.forward_shapes = _shapes(args.forward_shapes or (
         "16x4,16x4p1" if q else "128x8,128x8x128,128x8x128p1,128x8x128p2,128x8p1"))
     args.prio_rows = 48 if q else 102_400
+    args.batch_rows = 16 if q else 64
     args.launch_leaves = (1, 16) if q else (1, 16, 64, 128, 256)
     args.loop_n = (32,) if q else (16384, 262144, 1 << 20)
     args.obs_dim = 40

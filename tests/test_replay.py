@@ -169,6 +169,23 @@ def test_locate_matches_float64_inverse_cdf():
     assert np.mean(got != ref) < 1e-4
 
 
+@pytest.mark.parametrize("count_max", [0, replay._COUNT_MAX])
+def test_block_search_equals_searchsorted(count_max):
+    """Both forms of the block search (binary search; compare-and-count) give NumPy's
+    searchsorted(side="right") exactly, ties, empty blocks and boundary points included."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    k, m = int(rng.integers(1, 600)), int(rng.integers(1, 300))
+    mass = rng.gamma(0.5, 1.0, k).astype(np.float32)
+    mass[rng.random(k) < 0.2] = 0  # empty blocks: equal neighbours in the cumulative sum
+    cum = np.cumsum(mass).astype(np.float32)
+    u = (rng.random(m) * cum[-1] * 1.1).astype(np.float32)
+    u[: m // 3] = cum[rng.integers(0, k, m // 3)]  # exactly on a boundary
+    got = np.asarray(jax.jit(replay._count_at_or_below, static_argnums=2)(
+        jnp.asarray(cum), jnp.asarray(u), count_max))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.searchsorted(cum, u, side="right"))
+
+
 def test_sampling_frequencies_and_weights_match_priorities():
     rng = np.random.default_rng(11)
     filled = FILLED  # CAP - FILLED empty slots must never be drawn
