@@ -421,22 +421,6 @@ def _in_trainer(tr, learner, state, swaps: list, calls: int, steps: int) -> dict
     return {"trainer_ms": ms, "trainer_runs_ms": runs, "trainer_us_per_step": ms * 1e3 / steps}
 
 
-def _count_locate(blocks, cum, u, v):
-    """``replay._locate`` with the block found as the count of cumulative masses at or below
-    ``u`` (``searchsorted(side="right")``'s value) in one ``[M, C/S]`` compare-and-sum, instead
-    of an unrolled binary search."""
-    from foxhunt_jax.agent.replay import _last_positive
-
-    s = blocks.shape[1]
-    b = jnp.sum(cum[None, :] <= u[:, None], axis=1).astype(jnp.int32)
-    b = jnp.minimum(b, _last_positive(cum))
-    local = jnp.cumsum(blocks[b], axis=1)
-    walk = v * local[:, -1]
-    j = jnp.sum(local <= walk[:, None], axis=1).astype(jnp.int32)
-    j = jnp.minimum(j, _last_positive(local))
-    return b * s + j
-
-
 def _pallas_next_loss(full_target: bool):
     """per_sample_loss with the two forwards at s' (no gradient) in the fused kernels: the
     online greedy actions, and the target's logits of those actions (``full_target``: of every
@@ -853,8 +837,10 @@ def section_learner(args, out: dict) -> None:
                 agent = agent.replace(rnd=None)
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
-            elif variant == "count_search":  # the block found by one compare-and-count
-                swaps.append((replay_mod, "_locate", _count_locate))
+            elif variant == "binary_search":  # the block of a draw by an unrolled binary
+                search = replay_mod._count_at_or_below  # search, as before session 13
+                swaps.append((replay_mod, "_count_at_or_below",
+                              lambda cum, u, count_max=0, _f=search: _f(cum, u, 0)))
             elif variant == "norm_tree":  # the clip's norm over the gradient tree, before
                 t = s.cfg.train  # the concatenation optax.flatten makes for Adam
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -1669,8 +1655,8 @@ def main(argv=None) -> dict:
                          "diagnostic: every f32 GEMM as one bf16 product), block_head (the head "
                          "output layers and the dueling step as one GEMM), pallas_next (the "
                          "forwards at s' in the fused kernels), pallas_next_full (the same with "
-                         "the target's logits of every action), count_search (the block of a "
-                         "draw by one compare-and-count), norm_tree (the clip's norm over the "
+                         "the target's logits of every action), binary_search (the block of a "
+                         "draw by an unrolled binary search, as before session 13), norm_tree (the clip's norm over the "
                          "gradient tree, Adam on the flat vector))")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
