@@ -27,10 +27,15 @@ default was chosen from, each in the same process so ratios are fair:
   unroll factor of ``--unrolls``) and variants (the loop not pipelined, the taken action's
   logits by a gather, f32 GEMM algorithms, optimizer per tensor, curiosity off, the RND update
   on a CUDA stream of its own, one online forward over s and s', the head output layers and
-  the dueling step as one GEMM, XLA compile options from ``--learner-options``), with the
-  number of kernel-launching instructions in each compiled program, the longest chain of
-  dependent kernels in its loop body (:func:`critical_path`), and how far each variant's
-  parameters end up from the first's;
+  the dueling step as one GEMM, the forwards at s' in the fused kernels, the block of a draw
+  by a binary search, the clip's norm over the gradient tree, XLA compile options from
+  ``--learner-options``), with the number of kernel-launching instructions in each compiled
+  program, the longest chain of dependent kernels in its loop body (:func:`critical_path`), and
+  how far each variant's parameters end up from the first's. ``--learner-in-trainer N`` also
+  times each variant in the trainer's own training program (the numbers to decide by: this
+  section's own program, timed one synchronized call at a time, ranked flat parameter vectors
+  the other way round, BENCHMARKS.md session 13); ``--learner-trace N`` weighs the loop body's
+  chains by traced kernel time (with command buffers off);
 - ``compilecache``: the trainer's compile of the seed config, sequential and in three threads,
   cold and from the executable cache (cProfile of the cached one);
 - ``compileopts``: the cold compile per program (trace and lower, then XLA) and the seed epoch
