@@ -178,6 +178,42 @@ def _explore_module():
     return explore
 
 
+_LOOP_HLO = """HloModule m
+
+%body (arg: f32[4]) -> f32[4] {
+  %arg = f32[4]{0} parameter(0)
+  %a = f32[4]{0} fusion(%arg), kind=kLoop, calls=%fa
+  %b = f32[4]{0} fusion(%a), kind=kLoop, calls=%fb
+  %c = f32[4]{0} fusion(%b), kind=kLoop, calls=%fc, metadata={deduplicated_name="b"}
+  %d = f32[4]{0} fusion(%a), kind=kLoop, calls=%fd
+  ROOT %e.1 = f32[4]{0} fusion(%c, %d), kind=kLoop, calls=%fe
+}
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %w = f32[4]{0} while(%p), condition=%cond, body=%body
+}
+"""
+
+
+def test_critical_path_by_count_and_by_kernel_time():
+    """The loop body's longest chain of dependent kernels, counted and weighed by traced kernel
+    times; a kernel XLA launches for several identical instructions (one deduplicated_name,
+    traced under any member's name) shares its time among them."""
+    explore = _explore_module()
+    counted = explore.critical_path(_LOOP_HLO)
+    assert counted["loop_body"] == "body" and counted["loop_body_kernels"] == 5
+    assert counted["loop_body_chain"] == 4
+    assert counted["loop_body_chain_kernels"] == ["a", "b", "c", "e.1"]
+    us = {"a": 1.0, "c": 4.0, "d": 5.0, "e_1": 0.5}  # b and c are one kernel, traced as "c"
+    assert explore._instruction_us(_LOOP_HLO, us) == {"a": 1.0, "b": 2.0, "c": 2.0, "d": 5.0,
+                                                      "e.1": 0.5}
+    timed = explore.critical_path(_LOOP_HLO, us)
+    assert timed["loop_body_chain"] == 4  # still the count's
+    assert timed["loop_body_timed_chain_us"] == pytest.approx(6.5)  # a, d, e.1: 1 + 5 + 0.5
+    assert timed["loop_body_timed_chain"] == [["a", 1.0], ["d", 5.0], ["e.1", 0.5]]
+
+
 def test_explore_compile_diagnostics_quick(tmp_path):
     """explore_gpu's compile diagnostics on tiny sizes, each in fresh processes: the profile of
     a cold compile names XLA's passes and times all three programs, and the curiosity pass's
@@ -201,16 +237,20 @@ def test_explore_script_quick_run_writes_every_section(tmp_path):
     produces is a finite time, none failed."""
     explore = _explore_module()
     out = tmp_path / "explore.json"
-    res = explore.main(["--quick", "--sections", "rollout,forward,rnd,learner,launch", "--json",
-                        str(out), "--unrolls", "1", "--learner-dtypes", "float32",
-                        "--learner-variants", "base,concat_online"])
+    res = explore.main(["--quick", "--sections", "rollout,forward,fwdloop,rnd,learner,launch",
+                        "--json", str(out), "--unrolls", "1", "--learner-dtypes", "float32",
+                        "--learner-variants", "base,concat_online", "--learner-in-trainer", "2"])
     saved = json.loads(out.read_text())
-    assert set(saved) == {"meta", "rollout", "forward", "rnd", "learner", "launch"}
-    rows = [r for name in ("rollout", "forward", "rnd", "learner") for r in res[name]["rows"]]
+    assert set(saved) == {"meta", "rollout", "forward", "fwdloop", "rnd", "learner", "launch"}
+    rows = [r for name in ("rollout", "forward", "fwdloop", "rnd", "learner")
+            for r in res[name]["rows"]]
     assert rows and not [r for r in rows if "error" in r]
     assert all(r["ms"] > 0 for r in rows)
     assert {r["variant"] for r in res["learner"]["rows"]} == {"base", "concat_online"}
-    assert all(r["kernels_in_program"] > 0 for r in res["learner"]["rows"])
+    assert all(r["kernels_in_program"] > 0 and r["trainer_us_per_step"] > 0
+               for r in res["learner"]["rows"])
+    assert {"xla_three", "pallas_three", "pallas_taken_default"} <= {
+        r["form"] for r in res["fwdloop"]["rows"]}
     assert res["rnd"]["rows"][0]["max_rel_err_fresh"] < 1e-5  # f32 HIGHEST against float64
     assert {r["kind"] for r in res["forward"]["rows"]} == {"actions", "logits",
                                                           "logits_and_actions"}
