@@ -1673,9 +1673,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--learner-options", default="",
                     help="';'-separated XLA compile-option sets name=value[,name=value], each "
                          "timed as a learner variant")
-    ap.add_argument("--learner-in-trainer", type=int, default=0,
+    ap.add_argument("--learner-in-trainer", type=int, default=None,
                     help="also time each learner variant in the trainer's training program, "
-                         "this many calls queued back to back (three runs, the median)")
+                         "this many calls queued back to back (three runs, the median; "
+                         "default 10, 0 with --quick: none)")
     ap.add_argument("--learner-trace", type=int, default=0,
                     help="trace this many calls of each learner variant and weigh its loop "
                          "body's chains by kernel time (run with XLA_FLAGS="
@@ -1705,6 +1706,8 @@ def main(argv=None) -> dict:
     args.unrolls = tuple(int(u) for u in args.unrolls.split(",")) if args.unrolls else (
         (1, 2) if q else (1, 2, 5, 10))
     args.reps = 3 if q else 30
+    if args.learner_in_trainer is None:  # the numbers to decide by (BENCHMARKS.md, session 13)
+        args.learner_in_trainer = 0 if q else 10
     args._market = None
     args._deadline = time.perf_counter() + args.time_budget
     d = jax.devices()[0]
