@@ -198,19 +198,24 @@ def _block_masses(priorities: jax.Array) -> tuple[jax.Array, jax.Array]:
     return blocks, jnp.sum(blocks, axis=1)
 
 
-# Largest [M, C/S] comparison _count_at_or_below makes at once (4 MB of booleans).
+# Largest [M, C/S] comparison _count_at_or_below makes at once on a GPU (4 MB of booleans).
 _COUNT_MAX = 1 << 22
 
 
-def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int = _COUNT_MAX) -> jax.Array:
+def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int | None = None) -> jax.Array:
     """How many entries of the non-decreasing ``cum [k]`` are ``<= u``, for each of ``u [M]``:
     ``searchsorted(cum, u, side="right")`` as ``[M]`` int32.
 
-    Up to ``count_max`` pairs, one ``[M, k]`` compare-and-count: one kernel, where a binary
-    search is ~log2(k) small dependent ones. In the float32 learner step on an H200 that took
-    the step from 104.1 to 97.5 us (BENCHMARKS.md, session 13). Beyond it, an unrolled binary
-    search (the default while-loop form costs ~0.3 ms more per call on a GPU).
+    Up to ``count_max`` pairs (default: :data:`_COUNT_MAX` on a GPU, none elsewhere), one
+    ``[M, k]`` compare-and-count: one kernel, where a binary search is ~log2(k) small dependent
+    ones. On an H200 that took the float32 learner step from 100-104 to 93-98 us (BENCHMARKS.md,
+    session 13). Otherwise an unrolled binary search (the default while-loop form costs ~0.3 ms
+    more per call on a GPU), which a CPU, where the work counts rather than the launches, runs
+    faster: 45 against 57 us for the seed's 64 draws over 512 blocks, 0.19 against 1.19 ms for
+    4,096 draws (2-core CPU, 2026-11-30).
     """
+    if count_max is None:
+        count_max = _COUNT_MAX if jax.default_backend() in ("gpu", "cuda") else 0
     if u.shape[0] * cum.shape[0] <= count_max:
         return jnp.sum(cum[None, :] <= u[:, None], axis=1, dtype=jnp.int32)
     return jnp.searchsorted(cum, u, side="right", method="scan_unrolled").astype(jnp.int32)
