@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import shutil
@@ -92,8 +93,7 @@ from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, 
 from foxhunt_jax.jitcache import compiler_options
 
 SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "forward", "fwdloop", "loopform",
-            "rnd",
-            "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
+            "rnd", "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
             "compileprofile", "rndcompile", "profile", "launch", "overlap")
 
 
@@ -600,7 +600,7 @@ def critical_path(text: str, weights: dict | None = None) -> dict:
     comps = _computations(text)
     bodies = {c for ins in comps.values() for _, op, _, callees in ins if op == "while"
               for c in callees[:1]}
-    counted = _longest_chains(comps, lambda name: 1.0)
+    counted = _longest_chains(comps, lambda name: 1.0, bodies)
     rows = sorted(((counted[b][1], counted[b][0], b) for b in bodies if b in counted),
                   reverse=True)
     if not rows:
@@ -610,7 +610,7 @@ def critical_path(text: str, weights: dict | None = None) -> dict:
            "loop_body_chain_kernels": counted[name][2]}
     if weights is not None:
         us_of = _instruction_us(text, weights)
-        timed = _longest_chains(comps, lambda k: us_of.get(k, 0.0))
+        timed = _longest_chains(comps, lambda k: us_of.get(k, 0.0), [name])
         us, _, kernels_on = timed[name]
         out.update(loop_body_timed_chain_us=us, loop_body_timed_chain=[
             [k, round(us_of.get(k, 0.0), 2)] for k in kernels_on])
@@ -642,9 +642,10 @@ def _instruction_us(text: str, kernel_us: dict) -> dict:
     return {name: us[g] / size[g] for name, g in group.items() if g in us}
 
 
-def _longest_chains(comps: dict, weight) -> dict:
-    """``{computation: (longest chain's weight, kernels, the chain's kernels)}``: each kernel
-    counts ``weight(name)``, a ``call``/``while``/``conditional`` its callees' longest chain."""
+def _longest_chains(comps: dict, weight, roots) -> dict:
+    """``{computation: (longest chain's weight, kernels, the chain's kernels)}`` for ``roots``
+    and the computations they call: each kernel counts ``weight(name)``, a ``call``/``while``/
+    ``conditional`` its callees' longest chain."""
     memo = {}
 
     def depth(comp: str) -> tuple[float, int, list]:
@@ -677,7 +678,7 @@ def _longest_chains(comps: dict, weight) -> dict:
         memo[comp] = (best, total, chain)
         return memo[comp]
 
-    for c in comps:
+    for c in roots:
         depth(c)
     return memo
 
@@ -843,9 +844,8 @@ def section_learner(args, out: dict) -> None:
             elif variant == "concat_online":  # online(s) and online(s') as one forward
                 swaps.append((learner_mod, "per_sample_loss", _concat_online_loss))
             elif variant == "binary_search":  # the block of a draw by an unrolled binary
-                search = replay_mod._count_at_or_below  # search, as before session 13
-                swaps.append((replay_mod, "_count_at_or_below",
-                              lambda cum, u, count_max=0, _f=search: _f(cum, u, 0)))
+                swaps.append((replay_mod, "_count_at_or_below",  # search, as before session 13
+                              functools.partial(replay_mod._count_at_or_below, count_max=0)))
             elif variant == "norm_tree":  # the clip's norm over the gradient tree, before
                 t = s.cfg.train  # the concatenation optax.flatten makes for Adam
                 learner = dataclasses.replace(learner, optimizer=optax.chain(
@@ -896,7 +896,6 @@ def section_learner(args, out: dict) -> None:
                 text = compiled.as_text()
                 row["kernels_in_program"] = kernel_count(text)
                 row["async_calls"] = text.count("call-start(")
-                row.update(critical_path(text))
                 if args.hlo_dir:
                     Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (Path(args.hlo_dir) / f"learner_{dtype}_{variant}_u{unroll}.hlo.txt"
@@ -908,6 +907,7 @@ def section_learner(args, out: dict) -> None:
                 if args.learner_in_trainer:
                     row.update(_in_trainer(tr, learner, state.replace(agent=agent), swaps,
                                            args.learner_in_trainer, k))
+                w = None
                 if args.learner_trace:  # kernel times (visible with command buffers off)
                     tdir = tempfile.mkdtemp(prefix="learner-trace-")
                     with jax.profiler.trace(tdir):
@@ -915,7 +915,8 @@ def section_learner(args, out: dict) -> None:
                             jax.block_until_ready(compiled(agent, state.buffer, next(keys)))
                     w = _step_kernel_us(tdir, args.learner_trace * k)
                     shutil.rmtree(tdir, ignore_errors=True)
-                    row.update(critical_path(text, w))
+                row.update(critical_path(text, w))
+                if w is not None:
                     row["kernel_us_per_step"] = sum(w.values())
                     row["kernels_traced_per_step"] = {n: round(v, 3) for n, v in sorted(
                         w.items(), key=lambda x: -x[1])}
@@ -1661,8 +1662,8 @@ def main(argv=None) -> dict:
                          "output layers and the dueling step as one GEMM), pallas_next (the "
                          "forwards at s' in the fused kernels), pallas_next_full (the same with "
                          "the target's logits of every action), binary_search (the block of a "
-                         "draw by an unrolled binary search, as before session 13), norm_tree (the clip's norm over the "
-                         "gradient tree, Adam on the flat vector))")
+                         "draw by an unrolled binary search, as before session 13), norm_tree "
+                         "(the clip's norm over the gradient tree, Adam on the flat vector)")
     ap.add_argument("--compile-flag-sets", default=";--xla_gpu_autotune_level=0",
                     help="';'-separated XLA_FLAGS sets for compileopts (empty: the defaults)")
     ap.add_argument("--compile-vmodule",

@@ -215,7 +215,9 @@ def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int | None = Non
     4,096 draws (2-core CPU, 2026-11-30).
     """
     if count_max is None:
-        count_max = _COUNT_MAX if jax.default_backend() in ("gpu", "cuda") else 0
+        from pallas_kernels.q_forward import on_cuda
+
+        count_max = _COUNT_MAX if on_cuda() else 0
     if u.shape[0] * cum.shape[0] <= count_max:
         return jnp.sum(cum[None, :] <= u[:, None], axis=1, dtype=jnp.int32)
     return jnp.searchsorted(cum, u, side="right", method="scan_unrolled").astype(jnp.int32)
