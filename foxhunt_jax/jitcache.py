@@ -57,6 +57,13 @@ SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
 COMMAND_BUFFER_KINDS = ",".join(["FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
                                  "DYNAMIC_SLICE_FUSION", "WHILE", "CONDITIONAL"])
+# Programmatic dependent launch (Hopper and later; XLA ignores it before): a kernel starts
+# while the one it waits on finishes, and a Triton GEMM lets its successor start once its
+# products are done, before its epilogue. A learner step is a chain of ~25 small kernels:
+# 74.9 against 79.5-80.4 us a step on an H200 (BENCHMARKS.md, session 14). An XLA without an
+# option (jax 0.10's has no ``xla_gpu_enable_pdl_launch``) compiles without it; XLA_FLAGS
+# naming one takes precedence.
+PDL_OPTIONS = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
 # kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
 # on an H200 (jax 0.11.2, BENCHMARKS.md).
@@ -95,21 +102,25 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
 def compiler_options() -> dict:
     """XLA compile options of the trainer's and the benchmark's programs: on a GPU, command
     buffers scheduled as a DAG (``SCHEDULING_OPTION``) that also take while loops and
-    conditionals (``COMMAND_BUFFER_OPTION``), each unless ``XLA_FLAGS`` names it or this XLA
-    rejects it; elsewhere none."""
+    conditionals (``COMMAND_BUFFER_OPTION``) and programmatic dependent launch
+    (``PDL_OPTIONS``), each unless ``XLA_FLAGS`` names it or this XLA rejects it; elsewhere
+    none."""
     import jax
 
     if jax.default_backend() not in ("gpu", "cuda"):
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
-    wanted = {SCHEDULING_OPTION: "CONCURRENT", COMMAND_BUFFER_OPTION: COMMAND_BUFFER_KINDS}
-    return {k: v for k, v in wanted.items() if k not in flags and _xla_accepts(((k, v),))}
+    wanted = {SCHEDULING_OPTION: "CONCURRENT", COMMAND_BUFFER_OPTION: COMMAND_BUFFER_KINDS,
+              **PDL_OPTIONS}
+    return {k: v for k, v in wanted.items()
+            if k not in flags and _xla_accepts(((k, v),), quiet=k in PDL_OPTIONS)}
 
 
 @functools.lru_cache(maxsize=None)
-def _xla_accepts(options: tuple) -> bool:
+def _xla_accepts(options: tuple, quiet: bool = False) -> bool:
     """Whether this XLA compiles with ``options`` (an XLA without one rejects every program):
-    a trivial program is compiled once per process to find out; if not, a warning says so."""
+    a trivial program is compiled once per process to find out; if not, a warning says so
+    (unless ``quiet``)."""
     import jax
     import numpy as np
 
@@ -117,8 +128,9 @@ def _xla_accepts(options: tuple) -> bool:
         jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(np.float32(0)).compile()
         return True
     except Exception as e:  # noqa: BLE001 - XLA reports an unknown option as a runtime error
-        warnings.warn(f"this XLA does not take the compile options {dict(options)} "
-                      f"({type(e).__name__}: {str(e)[:200]}); compiling without them")
+        if not quiet:
+            warnings.warn(f"this XLA does not take the compile options {dict(options)} "
+                          f"({type(e).__name__}: {str(e)[:200]}); compiling without them")
         return False
 
 

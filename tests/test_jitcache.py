@@ -87,17 +87,30 @@ def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
     assert jitcache.compiler_options() == {}  # this CPU: no options
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     loops = {jitcache.COMMAND_BUFFER_OPTION: jitcache.COMMAND_BUFFER_KINDS}
-    assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT", **loops}
+    # programmatic dependent launch where this XLA has the options (jax 0.10's lacks one)
+    pdl = {k: v for k, v in jitcache.PDL_OPTIONS.items() if _compiles_with(k, v)}
+    assert "xla_gpu_enable_pdl" in pdl
+    assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT", **loops,
+                                           **pdl}
     assert "WHILE" in jitcache.COMMAND_BUFFER_KINDS.split(",")
     # the key sees the options: a GPU program compiled without them is another entry
     x = jnp.ones((2, 2))
     k = jitcache.cache_key("f", {}, (x,))
     monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE")
-    assert jitcache.compiler_options() == loops  # the user's flag decides its option
+    assert jitcache.compiler_options() == {**loops, **pdl}  # the user's flag decides its option
     assert jitcache.cache_key("f", {}, (x,)) != k
     monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE "
-                                    f"--{jitcache.COMMAND_BUFFER_OPTION}=FUSION")
+                                    f"--{jitcache.COMMAND_BUFFER_OPTION}=FUSION "
+                                    + " ".join(f"--{o}=false" for o in jitcache.PDL_OPTIONS))
     assert jitcache.compiler_options() == {}
+
+
+def _compiles_with(option: str, value) -> bool:
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={option: value}).lower(1.0).compile()
+        return True
+    except Exception:  # noqa: BLE001 - an unknown option is a runtime error
+        return False
 
 
 def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
@@ -107,7 +120,8 @@ def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
     with pytest.warns(UserWarning, match="does not take the compile options"):
         # the other option still applies
         assert jitcache.compiler_options() == {
-            jitcache.COMMAND_BUFFER_OPTION: jitcache.COMMAND_BUFFER_KINDS}
+            jitcache.COMMAND_BUFFER_OPTION: jitcache.COMMAND_BUFFER_KINDS,
+            **{k: v for k, v in jitcache.PDL_OPTIONS.items() if _compiles_with(k, v)}}
 
 
 def test_jit_passes_the_options_to_every_compile(monkeypatch):
