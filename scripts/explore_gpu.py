@@ -398,19 +398,22 @@ def section_fwdloop(args, out: dict) -> None:
         print(f"  {row['form']}: {row['us_per_forward']:.1f} us an iteration", flush=True)
 
 
-def _in_trainer(tr, learner, state, swaps: list, calls: int, steps: int) -> dict:
+def _in_trainer(tr, learner, state, swaps: list, calls: int, steps: int,
+                options: dict | None = None) -> dict:
     """A learner variant timed in the trainer's own training program (its shardings, donated
-    state, the env's tables as arguments): ``calls`` calls queued back to back, each taking the
-    state the one before returned, so the host's dispatch of one call overlaps the GPU's work on
-    the one before; three such runs, the median. The explore program above is timed one
-    synchronized call at a time, dispatch included."""
+    state, the env's tables as arguments), compiled with the library's options and
+    ``options`` over them: ``calls`` calls queued back to back, each taking the state the one
+    before returned, so the host's dispatch of one call overlaps the GPU's work on the one
+    before; three such runs, the median. The explore program above is timed one synchronized
+    call at a time, dispatch included."""
     trv = dataclasses.replace(tr, learner=learner, _phases=None)
     state = jax.device_put(state, trv.shardings(state))
     with contextlib.ExitStack() as swapped:
         for module, name, value in swaps:
             swapped.enter_context(mock.patch.object(module, name, value))
         fn, fargs = trv.phase_programs(state)["training"]
-        compiled = fn.lower(*fargs).compile()
+        # jax merges these with the options the program was jitted with
+        compiled = fn.lower(*fargs).compile(compiler_options=options or None)
     p, sched = fargs[0], fargs[2]
     st = jax.tree.map(jnp.copy, state)
     st, _ = compiled(p, st, sched)  # warm-up
@@ -906,7 +909,7 @@ def section_learner(args, out: dict) -> None:
                 row["us_per_step"] = row["ms"] * 1e3 / k
                 if args.learner_in_trainer:
                     row.update(_in_trainer(tr, learner, state.replace(agent=agent), swaps,
-                                           args.learner_in_trainer, k))
+                                           args.learner_in_trainer, k, _options(variant)))
                 w = None
                 if args.learner_trace:  # kernel times (visible with command buffers off)
                     tdir = tempfile.mkdtemp(prefix="learner-trace-")

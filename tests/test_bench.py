@@ -239,14 +239,18 @@ def test_explore_script_quick_run_writes_every_section(tmp_path):
     out = tmp_path / "explore.json"
     res = explore.main(["--quick", "--sections", "rollout,forward,fwdloop,rnd,learner,launch",
                         "--json", str(out), "--unrolls", "1", "--learner-dtypes", "float32",
-                        "--learner-variants", "base,concat_online", "--learner-in-trainer", "2"])
+                        "--learner-variants", "base,concat_online", "--learner-in-trainer", "2",
+                        # an option the CPU's XLA takes: its row compiles the trainer's program
+                        # with it too
+                        "--learner-options", "xla_gpu_enable_pdl=true"])
     saved = json.loads(out.read_text())
     assert set(saved) == {"meta", "rollout", "forward", "fwdloop", "rnd", "learner", "launch"}
     rows = [r for name in ("rollout", "forward", "fwdloop", "rnd", "learner")
             for r in res[name]["rows"]]
     assert rows and not [r for r in rows if "error" in r]
     assert all(r["ms"] > 0 for r in rows)
-    assert {r["variant"] for r in res["learner"]["rows"]} == {"base", "concat_online"}
+    assert {r["variant"] for r in res["learner"]["rows"]} == {
+        "base", "concat_online", "xla:xla_gpu_enable_pdl=true"}
     assert all(r["kernels_in_program"] > 0 and r["trainer_us_per_step"] > 0
                for r in res["learner"]["rows"])
     assert {"xla_three", "pallas_three", "pallas_taken_default"} <= {
