@@ -61,7 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from foxhunt_jax.jitcache import COMMAND_BUFFER_KINDS, COMMAND_BUFFER_OPTION
+from foxhunt_jax.jitcache import COMMAND_BUFFER_KINDS, COMMAND_BUFFER_OPTION, compiler_options
 
 REPO = Path(__file__).resolve().parent.parent
 # in this order: the seed section compiles first, in this process
@@ -1178,7 +1178,9 @@ def run(args, argv=None) -> dict:
         "jax": jax.__version__, "backend": jax.default_backend(), "quick": bool(args.quick),
         "config": str(args.config), "overrides": list(args.overrides),
         "variants": [list(v) for v in args.variants], "sections": sections,
-        "python": sys.version.split()[0]}}
+        "python": sys.version.split()[0],
+        # what the programs compiled with: the library's options and the user's flags
+        "xla_options": compiler_options(), "xla_flags": os.environ.get("XLA_FLAGS", "")}}
 
     def save():
         if args.json:

@@ -33,6 +33,7 @@ def test_quick_run_writes_json_and_tables(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["meta"]["sections"] == ["device", "forward", "collect"]
     assert saved["meta"]["quick"] is True
+    assert saved["meta"]["xla_options"] == {}  # the library sets none off a GPU
     dev = saved["device"]
     assert dev["gemm"]["bf16"]["tflops"] > 0 and dev["copy"]["gb_per_s"] > 0
     assert dev["scan"]["plain"]["us_per_iteration"] > 0
