@@ -357,6 +357,8 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             out.setdefault("equality", []).append(chk_row)
         if dtype == "bfloat16" and deadline.ok(30):
             _logits_rows(out, net, params, obs_chk, inputs, reps, flops)
+        if dtype == "bfloat16" and deadline.ok(30):
+            _act_rows(out, net, params, z, obs_chk, inputs, reps, flops)
 
 
 def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops: int) -> None:
@@ -401,6 +403,47 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
         out.setdefault("equality", []).append({"kind": "taken_logits",
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
         print(f"  taken-action logits: FAILED {str(e)[:300]}", flush=True)
+
+
+def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops: int) -> None:
+    """The collection forward (``network.act``: greedy actions, and each branch's logits of the
+    action taken under explore draws at epsilon 0.1) on XLA against the fused kernel, timed at
+    each N; on the fresh inputs, the greedy actions that differ and the largest relative
+    difference of the taken logits where both took the same actions."""
+    import jax
+    import numpy as np
+
+    from foxhunt_jax.agent.network import act, explore_draws
+    from foxhunt_jax.jitcache import jit
+
+    fns = {b: jit(lambda p, o, r, _b=b: act(p, o, r, net, z, _b)) for b in ("xla", "pallas")}
+
+    def draws(n, seed):
+        return explore_draws(jax.random.key(seed), n, net.branch_sizes, 0.1)
+    try:
+        r = draws(obs_chk.shape[0], 13)
+        (g, a, t), (g_x, a_x, t_x) = [jax.device_get(fns[b](params, obs_chk, r))
+                                      for b in ("pallas", "xla")]
+        same = np.all(a == a_x, axis=1)
+        rel = _rel_err(np.concatenate([x[same] for x in t], axis=1),
+                       np.concatenate([x[same] for x in t_x], axis=1))
+        out.setdefault("equality", []).append({
+            "n": int(obs_chk.shape[0]), "backend": "pallas", "dtype": net.dtype, "kind": "act",
+            "greedy_differ_share": float(np.mean(g != g_x)), "taken_logits_rel_err": rel})
+        for n, obs in inputs.items():
+            r = draws(n, 14)
+            for backend, f in fns.items():
+                ms = time_calls(lambda: f(params, obs, r), reps, warmup=2)
+                out["rows"].append({"n": n, "backend": backend, "dtype": net.dtype,
+                                    "config": "act", **_fwd_rates(ms, n, flops)})
+                print(f"  act (greedy + taken logits) N={n} {backend}/{net.dtype}: "
+                      f"{statistics.median(ms):.3f} ms"
+                      + (f", greedy differ {np.mean(g != g_x):.1e}, taken rel err {rel:.2e}"
+                         if backend == "pallas" else ""), flush=True)
+    except Exception as e:
+        out.setdefault("equality", []).append({"kind": "act",
+                                               "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        print(f"  act: FAILED {str(e)[:300]}", flush=True)
 
 
 def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:
@@ -835,6 +878,10 @@ def rollout_equality(args, market, n: int) -> dict:
             ref["next_obs"]["portfolio"] - got["next_obs"]["portfolio"])[:, same]))
         res["bars_equal"] = bool(np.all(ref["next_obs"]["bar"][:, same]
                                         == got["next_obs"]["bar"][:, same]))
+        res["greedy_equal"] = bool(np.all(ref["greedy"][:, same] == got["greedy"][:, same]))
+        res["taken_logits_rel_err"] = _rel_err(
+            np.stack([x[:, same] for x in got["taken_logits"]]),
+            np.stack([x[:, same] for x in ref["taken_logits"]]))
     print(f"  rollout kernel vs scan at N={n}: {res}", flush=True)
     return res
 
@@ -1018,7 +1065,8 @@ def tables(res: dict) -> str:
                          f"{_f(r.get('q_rel_err'), '{:.1e}')} | {r.get('action_mismatch', '-')} |")
     for r in fwd.get("equality", []):
         if "error" in r:
-            lines.append(f"pallas/{_SHORT[r['dtype']]} {r['config']}: error {r['error'][:200]}")
+            lines.append(f"pallas/{_SHORT.get(r.get('dtype'), '?')} "
+                         f"{r.get('config', r.get('kind'))}: error {r['error'][:200]}")
     col = res.get("collect", {})
     if col.get("rows"):
         lines += ["", f"Collection, env-steps/s (L = {col.get('episode_length')}; rollout = the "

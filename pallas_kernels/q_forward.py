@@ -63,6 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from foxhunt_jax.agent.network import apply_draws
+
 _ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
 # Widest power-of-two block of one GEMM operand, per dtype: a [BM, 256] x [256, 256] bf16 tile
 # pair takes 192 KB of the 228 KB of shared memory of an H100/H200 multiprocessor at BM = 128;
@@ -287,7 +289,7 @@ def read_blocks(plan: Plan, cd, layout: str, ops: dict, rows: int,
 
 
 def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q=None,
-                 on_logits=None, *, greedy: bool = True) -> list:
+                 on_logits=None, on_action=None, *, greedy: bool = True) -> list:
     """The network on one block of rows inside a kernel -> per-branch greedy actions.
 
     ``xs``: the observation block as chunks ``[BM, c]`` (``plan.chunks(obs_dim)``) in the GEMM
@@ -298,7 +300,8 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
     ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
     n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
     (finite, to be dropped). ``greedy=False`` stops after the logits (no softmax, expected Q or
-    argmax; for ``on_logits`` alone).
+    argmax; for ``on_logits`` alone). ``on_action(d, action [BM])`` (optional) receives branch
+    d's greedy action once it is known, after its ``on_logits`` calls (:class:`TakenLogits`).
     Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``), or an
     empty list when not ``greedy``.
     """
@@ -338,6 +341,8 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
             if on_q is not None:
                 on_q(d, q)
             actions.append(jnp.argmax(q, axis=1).astype(jnp.int32))
+            if on_action is not None:
+                on_action(d, actions[-1])
         else:
             advs = [_dense(ha, head_sizes, blocks, f"adv{d}_out", (kp,), cd, False,
                            col0=a * kp)[0] for a in range(n)]
@@ -363,15 +368,53 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
                     best_a = jnp.where(better, jnp.int32(a), best_a)
             if greedy:
                 actions.append(best_a)
+                if on_action is not None:
+                    on_action(d, best_a)
     return actions
 
 
+def pick_logits(logits, action: jax.Array) -> jax.Array:
+    """One action's logits per row: grouped ``[BM, n_pad, Kp]`` or, per action, a list of
+    ``[BM, Kp]``; ``action [BM]`` int32 -> ``[BM, Kp]``. A masked sum, as
+    :func:`foxhunt_jax.agent.network.select_action`: exactly one term is nonzero."""
+    if isinstance(logits, list):
+        out = jnp.where((action == 0)[:, None], logits[0], 0.0)
+        for a, lg in enumerate(logits[1:], 1):
+            out = out + jnp.where((action == a)[:, None], lg, 0.0)
+        return out
+    hit = (jax.lax.broadcasted_iota(jnp.int32, (1, logits.shape[1], 1), 1)
+           == action[:, None, None])
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
+
+
+class TakenLogits:
+    """:func:`forward_rows` callbacks (``on_logits``, ``on_action``) that hand on each branch's
+    logits of the action taken: the explore draw where ``draw(d) [BM]`` is >= 0, else the
+    greedy action (``draw`` None: always greedy). ``store(d, logits [BM, Kp])`` receives them.
+    A branch's logits are kept only until its greedy action is known."""
+
+    def __init__(self, store, draw=None):
+        self.store, self.draw, self.kept = store, draw, {}
+
+    def on_logits(self, where, logits):
+        self.kept[where] = logits
+
+    def on_action(self, d: int, greedy: jax.Array) -> None:
+        taken = greedy if self.draw is None else apply_draws(self.draw(d), greedy)
+        if d in self.kept:  # grouped
+            logits = self.kept.pop(d)
+        else:  # per action: keys (d, a), a = 0 .. n_d - 1
+            logits = [self.kept.pop(k) for k in sorted(k for k in self.kept if k[0] == d)]
+        self.store(d, pick_logits(logits, taken))
+
+
 def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
-            greedy: bool, select: bool, x_ref, *refs):
+            greedy: bool, select: str | None, x_ref, *refs):
     """Inputs: the observation block, the support ``[Kp]`` (``greedy`` only), the actions
-    ``[BM, B]`` (``select`` only), the parameter operands. Outputs, in order: expected Q
-    (``with_q``), per branch one logits block ``[BM, n_pad, Kp]`` (``with_logits``) or, with
-    ``select``, the logits of the given action ``[BM, Kp]``, then actions (``greedy``)."""
+    ``[BM, B]`` (``select="given"``) or the explore draws ``[BM, B]`` (``select="explore"``),
+    the parameter operands. Outputs, in order: expected Q (``with_q``), per branch one logits
+    block ``[BM, n_pad, Kp]`` (``with_logits``) or, with ``select``, the logits of the given or
+    the taken action ``[BM, Kp]``, then the greedy actions (``greedy``)."""
     z = sel_ref = None
     if greedy:
         z, refs = refs[0][...], refs[1:]
@@ -393,11 +436,8 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
                 logit_refs[d][...] = jnp.where(sel_ref[:, d][:, None] == 0, logits, 0.0)
             else:  # exactly one action of the branch matches, so the others add zeros
                 logit_refs[d][...] += jnp.where(sel_ref[:, d][:, None] == a, logits, 0.0)
-        elif select:  # a masked sum over the actions, as agent.network.select_action
-            npad = logits.shape[1]
-            taken = (jax.lax.broadcasted_iota(jnp.int32, (1, npad, 1), 1)
-                     == sel_ref[:, where][:, None, None])
-            logit_refs[where][...] = jnp.sum(jnp.where(taken, logits, 0.0), axis=1)
+        elif select:
+            logit_refs[where][...] = pick_logits(logits, sel_ref[:, where])
         else:
             logit_refs[where][...] = logits
 
@@ -408,13 +448,21 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
         else:
             q_ref[:, pl.ds(plan.q_offsets[where], plan.actions_pad(where))] = q
 
+    on_logits = store_logits if with_logits else None
+    on_action = None
+    if select == "explore":  # the taken action is known only after the branch's greedy one
+
+        def store_taken(d, logits):
+            logit_refs[d][...] = logits
+        taken = TakenLogits(store_taken, lambda d: sel_ref[:, d])
+        on_logits, on_action = taken.on_logits, taken.on_action
+
     blocks = read_blocks(plan, cd, config.layout, ops, x_ref.shape[0], config.lookahead)
     blocks.start()
     sizes = plan.chunks(plan.obs_dim)
     xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
     actions = forward_rows(plan, cd, config.layout, blocks, xs, z,
-                           store_q if with_q else None, store_logits if with_logits else None,
-                           greedy=greedy)
+                           store_q if with_q else None, on_logits, on_action, greedy=greedy)
     for d, a in enumerate(actions):
         act_ref[:, d] = a
 
@@ -493,13 +541,18 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
 
 def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q: bool,
          with_logits: bool, config: KernelConfig | None, interpret: bool | None,
-         actions: jax.Array | None = None):
+         actions: jax.Array | None = None, draws: jax.Array | None = None):
     """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B]
     or None). ``support`` None stops the kernel at the logits (no greedy tail, no actions).
     ``actions [N, B]`` (with ``with_logits``): each branch's logits of that action only,
-    ``[N, K]``, instead of all of them."""
+    ``[N, K]``, instead of all of them; ``draws [N, B]`` (with ``with_logits`` and
+    ``support``): those of the action taken, the draw where it is >= 0, else the greedy one."""
     greedy = support is not None
-    select = actions is not None
+    if actions is not None and draws is not None:
+        raise ValueError("q_forward kernel: give actions or draws, not both")
+    select = "given" if actions is not None else "explore" if draws is not None else None
+    if select == "explore" and not (greedy and with_logits):
+        raise ValueError("q_forward kernel: draws need the greedy tail and the logits")
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
@@ -523,7 +576,8 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
         inputs.append(jnp.pad(jnp.asarray(support, jnp.float32), (0, kp - plan.atoms)))
         in_specs.append(full(inputs[-1]))
     if select:
-        inputs.append(_pad2(jnp.asarray(actions, jnp.int32), rows, nb))
+        inputs.append(_pad2(jnp.asarray(actions if draws is None else draws, jnp.int32), rows,
+                            nb))
         in_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
     inputs += operands
     in_specs += [full(a) for a in operands]
@@ -597,6 +651,21 @@ def fused_logits(params: Any, obs: jax.Array, network, *, actions: jax.Array | N
     return logits
 
 
+def fused_act(params: Any, obs: jax.Array, network, support: jax.Array, draws: jax.Array, *,
+              config: KernelConfig | None = None, interpret: bool | None = None):
+    """The collection forward in one fused kernel: greedy actions at ``obs [N, D]`` and each
+    branch's logits of the action taken under the explore draws ``draws [N, B]`` int32
+    (:func:`foxhunt_jax.agent.network.explore_draws`: the draw where it is >= 0, else the
+    greedy action).
+
+    Returns ``(greedy [N, B] int32, taken)``, ``taken`` a tuple over branches of ``[N, K]``
+    float32 (``network.act``'s results; the kernel writes ``B * (Kp + 1)`` values a row).
+    """
+    _, logits, greedy = _run(params, obs, network, support, False, True, config, interpret,
+                             draws=draws)
+    return greedy, logits
+
+
 def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
                   branch_sizes: Sequence[int]) -> int:
     """Multiply-add FLOPs (2 per MAC) of one row through the ten GEMMs (unpadded widths)."""
@@ -610,7 +679,8 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "fused_logits", "forward_rows", "read_blocks", "launch",
+__all__ = ["fused_q_forward", "fused_logits", "fused_act", "forward_rows", "pick_logits",
+           "TakenLogits", "read_blocks", "launch",
            "on_cuda", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
            "forward_flops"]

@@ -11,7 +11,9 @@ program takes a block of ``BM`` episodes, keeps their state in registers and run
         greedy = QNetwork forward (forward_rows of q_forward.py, activations on chip)
         action = greedy, or the pre-drawn random action where the branch explores
         state, reward, ... = trading.advance(state, action)   (the env's own step function)
-        write the transition; reset finished episodes (collect) or freeze them (evaluate)
+        write the transition (collect: with the greedy actions and the taken actions' logits,
+            which the initial priorities reuse); reset finished episodes (collect) or freeze
+            them (evaluate)
 
 with one launch for the whole rollout. The env rules are not restated here: the kernel calls
 :func:`foxhunt_jax.env.trading.advance` and :func:`~foxhunt_jax.env.trading.portfolio_features`
@@ -38,9 +40,9 @@ from jax.experimental import pallas as pl
 
 from foxhunt_jax.agent.network import apply_draws
 from foxhunt_jax.env import trading
-from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, block_rows_for,
-                                      default_config, forward_rows, launch, make_plan,
-                                      operand_names, pack_params, read_blocks)
+from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, TakenLogits,
+                                      block_rows_for, default_config, forward_rows, launch,
+                                      make_plan, operand_names, pack_params, read_blocks)
 
 P = trading.PORTFOLIO_DIM
 STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl_price")
@@ -66,6 +68,8 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
     lengths_ref = next(it) if mode == "evaluate" else None
     ops = dict(zip(operand_names(plan), [next(it) for _ in range(n_ops)]))
     out_f_ref, out_i_ref, end_f_ref, end_i_ref = next(it), next(it), next(it), next(it)
+    taken_ref = next(it) if mode == "collect" else None
+    nb = len(plan.branch_sizes)
 
     scal = {name: scal_ref[i] for i, name in enumerate(_SCALARS)}
     # EnvParams with refs for the tables: advance / portfolio_features only index them
@@ -92,9 +96,19 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
         blocks = read_blocks(plan, cd, layout, ops, state.bar.shape[0], lookahead)
         blocks.start()  # the first weight loads wait alongside the observation's gather
         xs = observe(state, port)
-        actions = forward_rows(plan, cd, layout, blocks, xs, z)
+        on_logits = on_action = None
+        if mode == "collect":  # the taken actions' logits, for the initial priorities
+
+            def store(d, logits):
+                taken_ref[t, d, :, :] = logits
+            draw = (lambda d: draws_ref[t, d, :]) if explore else None
+            taken = TakenLogits(store, draw)
+            on_logits, on_action = taken.on_logits, taken.on_action
+        greedy = forward_rows(plan, cd, layout, blocks, xs, z, on_logits=on_logits,
+                              on_action=on_action)
+        actions = greedy
         if explore:
-            actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(actions)]
+            actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(greedy)]
         new, reward, term, trunc, info = trading.advance(state, tuple(actions), params)
         next_port = trading.portfolio_features(new, params)
         if mode == "evaluate":
@@ -109,6 +123,9 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
             out_i_ref[t, c, :] = v.astype(jnp.int32)
         for d, a in enumerate(actions):
             out_i_ref[t, len(OUT_I) + d, :] = a
+        if mode == "collect":
+            for d, a in enumerate(greedy):
+                out_i_ref[t, len(OUT_I) + nb + d, :] = a
         if mode == "collect":  # auto-reset at a pre-drawn start bar
             done = term | trunc
             fresh = trading.fresh_state(resets_ref[t, :])
@@ -166,8 +183,11 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
         greedy), or None for the greedy policy.
     Returns:
       ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
-      ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them);
-      ``end_state`` is the ``EnvState`` after the last step.
+      ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them); in collect
+      mode also ``"greedy"`` ``[L, N, B]`` int32 (the greedy actions before exploration) and
+      ``"taken_logits"``, per branch ``[L, N, K]`` float32 logits of the action taken (what
+      :func:`foxhunt_jax.agent.network.act` returns per step); ``end_state`` is the
+      ``EnvState`` after the last step.
     """
     if mode not in MODES:
         raise ValueError(f"fused_rollout: mode must be one of {MODES}, got {mode!r}")
@@ -214,14 +234,19 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     inputs += operands
     specs += [full(a) for a in operands]
 
-    n_i = len(OUT_I) + nb
-    out_shape = (jax.ShapeDtypeStruct((L, len(OUT_F), rows), jnp.float32),
+    collect = mode == "collect"
+    n_i = len(OUT_I) + nb * (2 if collect else 1)  # the actions, then (collect) greedy ones
+    out_shape = [jax.ShapeDtypeStruct((L, len(OUT_F), rows), jnp.float32),
                  jax.ShapeDtypeStruct((L, n_i, rows), jnp.int32),
                  jax.ShapeDtypeStruct((len(STATE_F), rows), jnp.float32),
-                 jax.ShapeDtypeStruct((len(STATE_I), rows), jnp.int32))
-    out_specs = (pl.BlockSpec((L, len(OUT_F), bm), lambda i: (0, 0, i)),
+                 jax.ShapeDtypeStruct((len(STATE_I), rows), jnp.int32)]
+    out_specs = [pl.BlockSpec((L, len(OUT_F), bm), lambda i: (0, 0, i)),
                  pl.BlockSpec((L, n_i, bm), lambda i: (0, 0, i)),
-                 cols(len(STATE_F)), cols(len(STATE_I)))
+                 cols(len(STATE_F)), cols(len(STATE_I))]
+    if collect:  # each branch's logits of the action taken
+        kp = plan.atoms_pad
+        out_shape.append(jax.ShapeDtypeStruct((L, nb, rows, kp), jnp.float32))
+        out_specs.append(pl.BlockSpec((L, nb, bm, kp), lambda i: (0, 0, i, 0)))
 
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
@@ -229,14 +254,18 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                   "has_stop_loss": env_params.has_stop_loss}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
                                draws is not None, L, env_static)
-    out_f, out_i, end_f, end_i = launch(kernel, "fused_rollout", config, bm, rows // bm, specs,
-                                        out_specs, out_shape, interpret)(*inputs)
+    outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),
+                  tuple(out_shape), interpret)(*inputs)
+    out_f, out_i, end_f, end_i = outs[:4]
 
     out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
     out.update({name: out_i[:, c, :n] for c, name in enumerate(OUT_I)})
     for name in ("terminated", "truncated", "traded", "alive"):
         out[name] = out[name].astype(jnp.bool_)
-    out["action"] = jnp.transpose(out_i[:, len(OUT_I):, :n], (0, 2, 1))
+    out["action"] = jnp.transpose(out_i[:, len(OUT_I):len(OUT_I) + nb, :n], (0, 2, 1))
+    if collect:
+        out["greedy"] = jnp.transpose(out_i[:, len(OUT_I) + nb:, :n], (0, 2, 1))
+        out["taken_logits"] = tuple(outs[4][:, d, :n, :plan.atoms] for d in range(nb))
     fields = {s: end_f[i, :n] for i, s in enumerate(STATE_F)}
     fields.update({s: end_i[i, :n] for i, s in enumerate(STATE_I)})
     return out, trading.EnvState(**fields)

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.learner import epsilon_greedy
-from foxhunt_jax.agent.network import (BACKENDS, QNetwork, explore_actions, greedy_actions,
-                                       q_forward, select_action, support, taken_logits)
+from foxhunt_jax.agent.network import (BACKENDS, QNetwork, act, explore_actions, explore_draws,
+                                       greedy_actions, q_forward, select_action, support,
+                                       taken_logits)
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from pallas_kernels import q_forward as qf
@@ -212,6 +213,38 @@ def test_logits_kernel_equals_flax_and_float64(rng, layout, dtype):
             assert _rel(taken[d], select_action(flax_logits[d], actions[:, d])) < tol
 
 
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+def test_act_kernel_equals_flax_and_float64(rng, layout):
+    """network.act, the collection forward: the greedy actions, the epsilon-greedy ones and
+    each branch's logits of the action taken, from one fused kernel (rows padded, 45 of 64)
+    equal to the Flax forward and the float64 one, with about half the branches exploring."""
+    net = _net("float32")
+    params = _params(rng, net, D)
+    obs = jnp.asarray(2.0 * rng.standard_normal((45, D)), jnp.float32)
+    draws = explore_draws(jax.random.key(int(rng.integers(1 << 30))), 45, BRANCHES, 0.5)
+    cfg = KernelConfig(block_rows=32, num_warps=4, layout=layout)
+    greedy, taken = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg,
+                                                         interpret=True))(params, obs, draws)
+    ref_greedy, ref_action, ref_taken = jax.jit(
+        lambda p, o, r: act(p, o, r, net, Z, "xla"))(params, obs, draws)
+    chex.assert_shape([greedy, ref_action], [(45, len(BRANCHES))] * 2)
+    chex.assert_type(greedy, jnp.int32)
+    _check_actions(greedy, [np.asarray(q) for q in _flax(net, 11)(params, obs)[0]],
+                   _np_forward(params, obs, net, Z))
+    action = np.where(np.asarray(draws) >= 0, draws, greedy)
+    assert 0 < np.mean(np.asarray(draws) >= 0) < 1  # both kinds of branch are present
+    ref = _np_logits(params, obs, net)
+    for d in range(len(BRANCHES)):
+        chex.assert_shape([taken[d], ref_taken[d]], [(45, 11)] * 2)
+        assert _rel(taken[d], ref[d][np.arange(45), action[:, d]]) < 1e-5
+        assert _rel(ref_taken[d], ref[d][np.arange(45), np.asarray(ref_action[:, d])]) < 1e-5
+    np.testing.assert_array_equal(ref_action, np.where(np.asarray(draws) >= 0, draws,
+                                                        ref_greedy))
+    via_act = jax.jit(lambda p, o, r: act(p, o, r, net, Z, "pallas"))(params, obs, draws)
+    np.testing.assert_array_equal(via_act[1], np.where(np.asarray(draws) >= 0, draws,
+                                                       via_act[0]))
+
+
 def test_taken_logits_backends_agree_with_leading_axes(rng):
     net = _net("float32", (6,), (48, 37), 24, 7)
     params = _params(rng, net, 13)
@@ -245,6 +278,11 @@ def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
     sharded = jax.jit(jax.vmap(lambda o, a: fused_logits(params, o, net, actions=a, config=cfg)))
     assert "xla.gpu.triton" in sharded.trace(
         jnp.zeros((2, 300, D), jnp.float32), jnp.zeros((2, 300, len(BRANCHES)), jnp.int32)
+    ).lower(lowering_platforms=("cuda",)).as_text()
+    # the collection forward: greedy actions and the taken actions' logits
+    acting = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg))
+    assert "xla.gpu.triton" in acting.trace(
+        params, jnp.zeros((300, D), jnp.float32), jnp.zeros((300, len(BRANCHES)), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -205,6 +205,11 @@ def test_chunked_priorities_equal_one_pass():
         out = chunked(fn, items, chunk)
         chex.assert_shape(out, (11,))
         np.testing.assert_allclose(out, ref, rtol=1e-6)
+        # a pytree of [M, ...] results (next_greedy's actions [M, B])
+        pair = chunked(lambda it: (it["a"] * 2.0, it["b"]), items, chunk)
+        chex.assert_shape(pair, ((11, 3), (11,)))
+        np.testing.assert_array_equal(pair[1], items["b"])
+        np.testing.assert_allclose(pair[0], 2.0 * items["a"], rtol=1e-6)
 
 
 # --- sharded collection: per-shard episodes, global curiosity statistics -------------------------

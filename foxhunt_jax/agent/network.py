@@ -1,10 +1,11 @@
 """The branching, dueling, distributional (C51) Q-network and the helpers around it.
 
 One forward function serves every caller: the learner (online on s, target on s', online on s'),
-experience collection and inference all call :meth:`QNetwork.apply`. Collection and inference
-reach it through :func:`q_forward`, and the loss's no-gradient callers (initial priorities, the
-validation loss) through :func:`taken_logits`; their ``backend="pallas"`` runs the same network
-as one fused kernel (``pallas_kernels/q_forward.py``, tested equal to this module).
+experience collection and inference all call :meth:`QNetwork.apply`. Collection reaches it
+through :func:`act`, inference through :func:`q_forward`, and the loss's no-gradient callers
+(initial priorities, the validation loss) through :func:`taken_logits`; their
+``backend="pallas"`` runs the same network as one fused kernel (``pallas_kernels/q_forward.py``,
+tested equal to this module).
 
 Layout with the default 3 branches (ten Dense layers, 20 tensors)::
 
@@ -224,6 +225,29 @@ def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
     return q, actions
 
 
+def act(params: Any, obs: jax.Array, draws: jax.Array, network: QNetwork, z: jax.Array,
+        backend: str = "xla") -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """The collection forward: epsilon-greedy actions at ``obs [N, D]`` and what the initial
+    priorities reuse of this forward.
+
+    ``draws [N, B]`` int32 from :func:`explore_draws` (-1 = greedy). Returns ``(greedy,
+    action, taken)``: ``greedy [N, B]`` int32 (per-branch argmax of expected Q), ``action``
+    ``= apply_draws(draws, greedy)`` and ``taken``, a tuple over branches of ``[N, K]`` float32
+    logits of the action taken (:func:`taken_logits` of ``action``, from the same forward).
+    ``backend="pallas"`` runs it as one fused kernel
+    (:func:`pallas_kernels.q_forward.fused_act`, tested equal).
+    """
+    if not _use_pallas(backend):
+        logits = network.apply(params, obs)
+        greedy = greedy_actions(logits, z)
+        action = apply_draws(draws, greedy)
+        return greedy, action, tuple(select_action(l, action[:, d]) for d, l in enumerate(logits))
+    from pallas_kernels.q_forward import fused_act
+
+    greedy, taken = fused_act(params, obs, network, z, draws)
+    return greedy, apply_draws(draws, greedy), taken
+
+
 def select_action(logits_d: jax.Array, action: jax.Array) -> jax.Array:
     """Logits of one action per row: ``[..., n, K]``, ``[...]`` int -> ``[..., K]``.
 
@@ -297,5 +321,5 @@ def param_count(params: Any) -> int:
 
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
            "f32_precision", "make_network", "init_params", "support", "expected_q", "greedy_actions",
-           "explore_actions", "explore_draws", "apply_draws", "q_forward", "select_action",
+           "explore_actions", "explore_draws", "apply_draws", "act", "q_forward", "select_action",
            "taken_logits", "BACKENDS", "flatten_params", "param_count"]

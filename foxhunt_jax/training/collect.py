@@ -5,9 +5,12 @@ per-step keys -> env step (vmapped) -> auto-reset of finished episodes (:func:`t
 After the scan, the curiosity bonus of every next observation is computed in one batched pass
 (it depends only on the observation and the fixed RND networks, not on the actions, so nothing
 in the loop waits for it), n-step returns are formed over the [L, N] trajectory, each
-transition's initial priority is its C51 loss under the current online and target networks (the
-learner's own loss function, so priorities and training agree), and the L * N transitions go
-into the replay buffer. The whole phase is one jitted call with no host round trip.
+transition's initial priority is its C51 double-Q loss under the current online and target
+networks (the learner's own loss, so priorities and training agree), and the L * N transitions
+go into the replay buffer. The rollout's forward already gave the online logits of each taken
+action and, for most transitions, the greedy action at the bootstrap observation
+(:func:`next_greedy`), so the priorities add one forward over the transitions, the target
+network's, instead of three. The whole phase is one jitted call with no host round trip.
 
 With ``network.backend=pallas`` an adapter that provides ``fused`` (the trading env:
 :mod:`foxhunt_jax.training.fused`) replaces the scan by one Pallas kernel over all timesteps,
@@ -31,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from foxhunt_jax.agent import curiosity
-from foxhunt_jax.agent.learner import AgentState, Learner, per_sample_loss
-from foxhunt_jax.agent.network import explore_actions, q_forward
-from foxhunt_jax.agent.loss import n_step_targets
+from foxhunt_jax.agent.learner import AgentState, Learner
+from foxhunt_jax.agent.loss import c51_loss, n_step_targets
+from foxhunt_jax.agent.network import act, explore_draws, q_forward, taken_logits
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,9 @@ def start(adapter: EnvAdapter, env_params, key: jax.Array, num_episodes: int) ->
 PRIORITY_CHUNK = 1 << 20
 
 
-def chunked(fn: Callable, items: Any, chunk: int) -> jax.Array:
-    """``fn(items [M, ...]) -> [M]`` evaluated ``chunk`` rows at a time (``lax.map``).
+def chunked(fn: Callable, items: Any, chunk: int) -> Any:
+    """``fn(items [M, ...]) -> [M, ...]`` (arrays or a pytree of them) evaluated ``chunk`` rows
+    at a time (``lax.map``).
 
     Rows are independent, so the result is ``fn(items)``; ``M <= chunk`` calls ``fn`` once.
     The last chunk is padded with copies of row 0 and the padding dropped.
@@ -91,7 +95,46 @@ def chunked(fn: Callable, items: Any, chunk: int) -> jax.Array:
     k = -(-m // chunk)
     pad = lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (k * chunk - m,) + x.shape[1:])])
     blocks = jax.tree.map(lambda x: pad(x).reshape((k, chunk) + x.shape[1:]), items)
-    return jax.lax.map(fn, blocks).reshape(-1)[:m]
+    return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:m], jax.lax.map(fn, blocks))
+
+
+# Next observations that get a forward of their own in next_greedy are taken this many per
+# episode at a time: the last step's, and about one truncation per episode_length steps
+NEXT_FORWARD_PER_EPISODE = 2
+
+
+def next_greedy(learner: Learner, adapter: EnvAdapter, env_params, params, traj) -> jax.Array:
+    """The online network's greedy actions at each step's next observation, ``[L, N, B]``.
+
+    Where an episode goes on, the next observation of step t is the one the rollout acted on
+    at t + 1, so its greedy action is ``traj["greedy"][t + 1]`` and needs no forward. A forward
+    runs only for the others: the last step's next observations and those of truncated steps
+    (before their reset). They are gathered ``NEXT_FORWARD_PER_EPISODE * N`` at a time, as
+    many times as it takes (once, unless episodes are much shorter than the window). A
+    terminated step keeps ``greedy[t + 1]`` (a reset observation's): its discount is 0, so its
+    target distribution is its return's whatever the bootstrap logits.
+    """
+    greedy = traj["greedy"]
+    steps, n, b = greedy.shape
+    out = jnp.concatenate([greedy[1:], greedy[-1:]]).reshape(-1, b)
+    need = traj["truncated"].at[-1].set(True).reshape(-1)
+    m = need.shape[0]
+    cap = min(m, NEXT_FORWARD_PER_EPISODE * n)
+    rows = jnp.nonzero(need, size=m, fill_value=m)[0]  # the rows to forward, then m (none)
+    enc = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), traj["next_obs"])
+    net, backend = learner.network, learner.net_cfg.backend
+
+    def forward(e):
+        return q_forward(params, adapter.decode(e, env_params), net, learner.support, backend)[1]
+
+    def body(carry):
+        i, out = carry
+        idx = jax.lax.dynamic_slice(rows, (i * cap,), (cap,))  # clamped: a repeat is harmless
+        batch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), enc)
+        return i + 1, out.at[idx].set(chunked(forward, batch, PRIORITY_CHUNK), mode="drop")
+
+    _, out = jax.lax.while_loop(lambda c: c[0] * cap < jnp.sum(need), body, (0, out))
+    return out.reshape(steps, n, b)
 
 
 def _where(mask, a, b):
@@ -171,7 +214,9 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
 
     Returns ``(rollout, traj)``; ``traj`` holds ``[L, N, ...]`` arrays: ``obs`` and ``next_obs``
     (the adapter's encodings of the observation acted on and of the one after the step, before
-    any reset), ``action [L, N, B]``, ``reward`` (extrinsic), ``terminated``, ``truncated``.
+    any reset), ``action [L, N, B]``, ``reward`` (extrinsic), ``terminated``, ``truncated``,
+    and what the initial priorities reuse of each step's forward (:func:`~foxhunt_jax.agent.
+    network.act`): ``greedy [L, N, B]`` and ``taken_logits``, per branch ``[L, N, K]``.
     """
     from foxhunt_jax.training.fused import use_rollout_kernel
 
@@ -186,12 +231,14 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
 
     def body(carry: Rollout, k):
         k_act, k_step, k_reset = k
-        _, greedy = q_forward(agent_params, carry.obs, net, support, learner.net_cfg.backend)
-        action = explore_actions(k_act, greedy, net.branch_sizes, epsilon)
+        draws = explore_draws(k_act, n, net.branch_sizes, epsilon)
+        greedy, action, taken = act(agent_params, carry.obs, draws, net, support,
+                                    learner.net_cfg.backend)
         obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n), carry.env_state,
                                                      action, env_params)
         out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
-               "action": action, "reward": reward, "terminated": term, "truncated": trunc}
+               "action": action, "reward": reward, "terminated": term, "truncated": trunc,
+               "greedy": greedy, "taken_logits": taken}
         obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
         done = term | trunc
         return Rollout(env_state=_where(done, state_r, state2), obs=jnp.where(done[:, None], obs_r, obs2)), out
@@ -229,14 +276,22 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     items = {"obs": jax.tree.map(flat, traj["obs"]), "next_obs": jax.tree.map(flat, next_enc),
              "action": flat(traj["action"]), "reward": flat(returns), "discount": flat(discounts)}
 
-    def loss_of(it):
-        obs = adapter.decode(it["obs"], env_params)
-        next_obs = adapter.decode(it["next_obs"], env_params)
-        return per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
-                               it["action"], it["reward"], it["discount"],
-                               learner.net_cfg.backend)
+    # the learner's per-sample loss (per_sample_loss), with the rollout's own forward for the
+    # online logits at s and, where it has them, for the greedy actions at the bootstrap
+    # observation: only the target network's forward runs over every transition
+    greedy = next_greedy(learner, adapter, env_params, agent.params, traj)
+    boot = jnp.take_along_axis(greedy, rows[..., None], axis=0)
 
-    priorities = chunked(loss_of, items, PRIORITY_CHUNK)
+    def loss_of(it):
+        next_obs = adapter.decode(it["next_obs"], env_params)
+        target = taken_logits(agent.target_params, next_obs, it["greedy"], learner.network,
+                              learner.net_cfg.backend)
+        return c51_loss(it["taken"], target, it["reward"], it["discount"], learner.support)
+
+    parts = {"next_obs": items["next_obs"], "reward": items["reward"],
+             "discount": items["discount"], "greedy": flat(boot),
+             "taken": tuple(flat(x) for x in traj["taken_logits"])}
+    priorities = chunked(loss_of, parts, PRIORITY_CHUNK)
     stats = {"reward": jnp.mean(extrinsic), "bonus": jnp.mean(bonus),
              "episodes_done": jnp.sum(traj["terminated"] | traj["truncated"]),
              "terminated": jnp.sum(traj["terminated"])}

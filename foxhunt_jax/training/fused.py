@@ -59,7 +59,8 @@ def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Arr
     traj = {"obs": {"bar": out["bar"], "portfolio": portfolio(out)},
             "next_obs": {"bar": out["next_bar"], "portfolio": portfolio(out, "next_portfolio")},
             "action": out["action"], "reward": out["reward"], "terminated": out["terminated"],
-            "truncated": out["truncated"]}
+            "truncated": out["truncated"], "greedy": out["greedy"],
+            "taken_logits": out["taken_logits"]}
     obs = jax.vmap(trading.observation, in_axes=(0, None))(end, env_params)
     return Rollout(env_state=end, obs=obs), traj
 
