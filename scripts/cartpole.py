@@ -67,7 +67,8 @@ def _step_env(key, state, action, params):
 
 
 ADAPTER = EnvAdapter(reset=_reset, step_env=_step_env, encode=lambda obs, state: obs,
-                     decode=lambda enc, params: enc)
+                     decode=lambda enc, params: enc,
+                     max_episode_steps=lambda params: int(ENV_PARAMS.max_steps_in_episode))
 
 
 def greedy_score(learner, params, key, episodes: int = 100) -> jax.Array:

@@ -178,9 +178,9 @@ def section_rollout(args, out: dict) -> None:
         state = s.rollout.env_state
         reps = 3 if n >= (1 << 18) else args.reps
         runs = [(shape, fused_rollout, "") for shape in shapes]
-        if args.compare_rollout:  # the same first shape with another version of the kernel
-            runs.insert(1, (shapes[0], _load(args.compare_rollout).fused_rollout,
-                            args.compare_rollout))
+        for i, path in enumerate(filter(None, (args.compare_rollout or "").split(","))):
+            # the same first shape with other versions of the kernel
+            runs.insert(1 + i, (shapes[0], _load(path).fused_rollout, path))
         for shape, kernel, source in runs:
             rows, warps, chunk, ahead = shape
             if time.perf_counter() > args._deadline:
@@ -1650,7 +1650,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--forward-shapes", default=None,
                     help="rowsxwarps[xchunk][pK],... of the forward section")
     ap.add_argument("--compare-rollout", default=None,
-                    help="file of another rollout kernel version, timed at the first shape")
+                    help="files of other rollout kernel versions (comma-separated), each timed "
+                         "at the first shape")
     ap.add_argument("--loop-forms", default="rollout_kernel,scan_fused_forward,scan_xla")
     ap.add_argument("--unrolls", default=None, help="learner scan unroll factors, e.g. 1,2,5")
     ap.add_argument("--learner-dtypes", default="bfloat16,float32")

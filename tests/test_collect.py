@@ -5,9 +5,11 @@ learner's own loss.
 greedy action at the next observation from the rollout, and runs a forward only for the rest
 (:func:`foxhunt_jax.training.collect.next_greedy`). Against the reference, the learner's
 :func:`~foxhunt_jax.agent.learner.per_sample_loss` with its three forwards over the decoded
-replay items, on short episodes (truncations inside the window), ruin (terminations), n-step
-returns and a gather capacity small enough to take several rounds.
+replay items, on short episodes (as many truncations inside the window as it can hold), ruin
+(terminations), n-step returns and an env that does not say when it truncates.
 """
+
+import dataclasses
 
 import chex
 import jax
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.learner import init_agent, make_learner, per_sample_loss
+from foxhunt_jax.agent.loss import n_step_targets
 from foxhunt_jax.agent.network import q_forward
 from foxhunt_jax.config import load_config
 from foxhunt_jax.data.features import build_tables
@@ -33,15 +36,17 @@ def tables():
     return build_tables(load_market(["builtin:us_stocks_daily"]), episode_length=100)
 
 
-@pytest.mark.parametrize("n_step, per_episode, overrides", [
-    (1, 2, []),
-    (3, 1, ["env.ruin_floor=0.985", "env.cost_bps=20"]),  # ruin ends some episodes early
+@pytest.mark.parametrize("n_step, limit, overrides", [
+    (1, True, []),
+    (3, True, ["env.ruin_floor=0.985", "env.cost_bps=20"]),  # ruin ends some episodes early
+    (1, False, []),  # an env that does not say when it truncates: every row is gathered
 ])
-def test_initial_priorities_equal_the_learners_loss(tables, monkeypatch, n_step, per_episode,
-                                                    overrides):
-    # episodes of 4 steps in a window of 10: truncations at steps 3 and 7, then the last step,
-    # 3N next observations to forward, 2 or 3 rounds of the gather
-    monkeypatch.setattr(collect, "NEXT_FORWARD_PER_EPISODE", per_episode)
+def test_initial_priorities_equal_the_learners_loss(tables, n_step, limit, overrides):
+    # episodes of 4 steps in windows of 9: truncations at steps 3 and 7 of the first window,
+    # as many as its first 8 steps can hold (the gather's size); the second window starts
+    # mid-episode
+    adapter = TRADING_ADAPTER if limit else dataclasses.replace(TRADING_ADAPTER,
+                                                                max_episode_steps=None)
     cfg = load_config("smoke", SMALL + ["env.episode_length=4", f"train.n_step={n_step}"]
                       + overrides)
     params = trading.make_params(tables, cfg.env, "train")
@@ -49,34 +54,51 @@ def test_initial_priorities_equal_the_learners_loss(tables, monkeypatch, n_step,
     seed = int(np.random.default_rng().integers(1 << 30))
     agent = init_agent(jax.random.key(seed), learner, trading.obs_dim(params))
     # distinct online and target networks, and greedy actions that differ between rows
-    agent = agent.replace(params=jax.tree.map(lambda x: 3.0 * x, agent.params))
-    n, steps = 12, 10
+    agent = agent.replace(params=jax.tree.map(lambda x: 1.5 * x, agent.params))
+    n, steps = 12, 9
     key = jax.random.key(seed + 1)
-    rollout = collect.start(TRADING_ADAPTER, params, key, n)
+    rollout = collect.start(adapter, params, key, n)
 
+    @jax.jit
     def run(r, k):
-        _, traj = collect.trajectory(learner, TRADING_ADAPTER, params, agent.params, r, k,
+        _, traj = collect.trajectory(learner, adapter, params, agent.params, r, k,
                                      jnp.float32(0.3), steps)
-        _, items, prio, _, _ = collect.collect(learner, TRADING_ADAPTER, params, agent, r, k,
-                                               jnp.float32(0.3), steps)
-        return traj, collect.next_greedy(learner, TRADING_ADAPTER, params, agent.params,
-                                         traj), items, prio
+        r2, items, prio, _, _ = collect.collect(learner, adapter, params, agent, r, k,
+                                                jnp.float32(0.3), steps)
+        return r2, traj, collect.next_greedy(learner, adapter, params, agent.params,
+                                             traj), items, prio
 
-    traj, greedy, items, prio = jax.jit(run)(rollout, key)
-    chex.assert_shape(greedy, (steps, n, len(cfg.env.branch_sizes)))
-    assert int(jnp.sum(traj["truncated"][:-1])) >= n  # truncations inside the window
-    # the greedy actions at every next observation, by a forward over all of them
-    next_obs = TRADING_ADAPTER.decode(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]),
-                                                   traj["next_obs"]), params)
-    _, full = q_forward(agent.params, next_obs, learner.network, learner.support)
-    live = ~np.asarray(traj["terminated"]).reshape(-1)  # a terminated step's does not count
-    np.testing.assert_array_equal(np.asarray(greedy).reshape(full.shape)[live],
-                                  np.asarray(full)[live])
-    if overrides:
-        assert not live.all()  # the ruin case did terminate episodes
-    ref = per_sample_loss(learner, agent.params, agent.target_params,
-                          TRADING_ADAPTER.decode(items["obs"], params),
-                          TRADING_ADAPTER.decode(items["next_obs"], params), items["action"],
-                          items["reward"], items["discount"])
-    chex.assert_shape(prio, (steps * n,))
-    np.testing.assert_allclose(prio, ref, rtol=2e-5, atol=1e-6)
+    for window in range(2):
+        rollout, traj, greedy, items, prio = run(rollout, jax.random.fold_in(key, window))
+        chex.assert_shape(greedy, (steps, n, len(cfg.env.branch_sizes)))
+        if window == 0:
+            assert int(jnp.sum(traj["truncated"][:-1])) >= n // 2  # inside the window
+        # the greedy actions at every next observation, by a forward over all of them; where
+        # two actions' expected Q tie (saturated values), the two forwards of different row
+        # counts may break the tie differently, so those rows are left out
+        next_obs = adapter.decode(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]),
+                                               traj["next_obs"]), params)
+        q, full = q_forward(agent.params, next_obs, learner.network, learner.support,
+                            with_q=True)
+        tie = np.zeros(full.shape[0], bool)
+        for q_d in q:
+            top = np.sort(np.asarray(q_d, np.float64), axis=1)[:, -2:]
+            tie |= top[:, 1] - top[:, 0] <= 1e-5 * np.max(np.abs(top))
+        assert tie.mean() < 0.1
+        live = ~np.asarray(traj["terminated"]).reshape(-1) & ~tie  # a terminated step's
+        np.testing.assert_array_equal(np.asarray(greedy).reshape(full.shape)[live],
+                                      np.asarray(full)[live])
+        if overrides and window == 1:
+            assert np.asarray(traj["terminated"]).any()  # the ruin case did end episodes
+        ref = per_sample_loss(learner, agent.params, agent.target_params,
+                              adapter.decode(items["obs"], params),
+                              adapter.decode(items["next_obs"], params), items["action"],
+                              items["reward"], items["discount"])
+        # each transition's bootstrap row (n-step), to leave out those that bootstrap at a tie
+        _, _, offsets = n_step_targets(traj["reward"], traj["terminated"], traj["truncated"],
+                                       cfg.train.gamma, n_step)
+        boot = (np.arange(steps)[:, None] + np.asarray(offsets) - 1) * n + np.arange(n)
+        keep = ~tie[boot.reshape(-1)]
+        chex.assert_shape(prio, (steps * n,))
+        np.testing.assert_allclose(np.asarray(prio)[keep], np.asarray(ref)[keep], rtol=2e-5,
+                                   atol=1e-6)

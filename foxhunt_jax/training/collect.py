@@ -50,6 +50,9 @@ class EnvAdapter:
     decode(enc [M, ...], params) -> obs [M, D]
     fused (optional): a kernel backend of :func:`trajectory`, same arguments and result, used
         when ``network.backend`` is ``"pallas"``
+    max_episode_steps (optional): ``(params) -> int``, static: the steps after which an episode
+        is truncated, so that the initial priorities know how many truncations a window can
+        hold (:func:`next_greedy`; without it, every step may be one)
     """
 
     reset: Callable
@@ -57,9 +60,11 @@ class EnvAdapter:
     encode: Callable
     decode: Callable
     fused: Callable | None = None
+    max_episode_steps: Callable | None = None
 
     def __hash__(self):
-        return hash((self.reset, self.step_env, self.encode, self.decode, self.fused))
+        return hash((self.reset, self.step_env, self.encode, self.decode, self.fused,
+                     self.max_episode_steps))
 
 
 @jax.tree_util.register_dataclass
@@ -98,43 +103,37 @@ def chunked(fn: Callable, items: Any, chunk: int) -> Any:
     return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:m], jax.lax.map(fn, blocks))
 
 
-# Next observations that get a forward of their own in next_greedy are taken this many per
-# episode at a time: the last step's, and about one truncation per episode_length steps
-NEXT_FORWARD_PER_EPISODE = 2
-
-
 def next_greedy(learner: Learner, adapter: EnvAdapter, env_params, params, traj) -> jax.Array:
     """The online network's greedy actions at each step's next observation, ``[L, N, B]``.
 
     Where an episode goes on, the next observation of step t is the one the rollout acted on
     at t + 1, so its greedy action is ``traj["greedy"][t + 1]`` and needs no forward. A forward
     runs only for the others: the last step's next observations and those of truncated steps
-    (before their reset). They are gathered ``NEXT_FORWARD_PER_EPISODE * N`` at a time, as
-    many times as it takes (once, unless episodes are much shorter than the window). A
-    terminated step keeps ``greedy[t + 1]`` (a reset observation's): its discount is 0, so its
-    target distribution is its return's whatever the bootstrap logits.
+    (before their reset). Truncations are at least ``adapter.max_episode_steps`` (T) steps
+    apart, so the first L - 1 steps hold at most ``ceil((L - 1) / T)`` of them per episode,
+    and those rows are gathered into a batch of that static size (the whole window when T is
+    unknown). A terminated step keeps ``greedy[t + 1]`` (a reset observation's): its discount
+    is 0, so its target distribution is its return's whatever the bootstrap logits.
     """
     greedy = traj["greedy"]
     steps, n, b = greedy.shape
-    out = jnp.concatenate([greedy[1:], greedy[-1:]]).reshape(-1, b)
-    need = traj["truncated"].at[-1].set(True).reshape(-1)
-    m = need.shape[0]
-    cap = min(m, NEXT_FORWARD_PER_EPISODE * n)
-    rows = jnp.nonzero(need, size=m, fill_value=m)[0]  # the rows to forward, then m (none)
-    enc = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), traj["next_obs"])
+    limit = adapter.max_episode_steps(env_params) if adapter.max_episode_steps else 1
+    per_episode = min(steps - 1, -(-(steps - 1) // limit))
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
+    trunc = flat(traj["truncated"][:-1])  # [(L - 1) * N]
+    # the truncated rows of the first L - 1 steps (then an index past the end: none)
+    idx = jnp.nonzero(trunc, size=per_episode * n, fill_value=trunc.shape[0])[0]
+    before = jax.tree.map(lambda x: jnp.take(flat(x[:-1]), idx, axis=0, mode="clip"),
+                          traj["next_obs"])
+    rows = jax.tree.map(lambda a, c: jnp.concatenate([a[-1], c]), traj["next_obs"], before)
     net, backend = learner.network, learner.net_cfg.backend
 
     def forward(e):
         return q_forward(params, adapter.decode(e, env_params), net, learner.support, backend)[1]
 
-    def body(carry):
-        i, out = carry
-        idx = jax.lax.dynamic_slice(rows, (i * cap,), (cap,))  # clamped: a repeat is harmless
-        batch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), enc)
-        return i + 1, out.at[idx].set(chunked(forward, batch, PRIORITY_CHUNK), mode="drop")
-
-    _, out = jax.lax.while_loop(lambda c: c[0] * cap < jnp.sum(need), body, (0, out))
-    return out.reshape(steps, n, b)
+    found = chunked(forward, rows, PRIORITY_CHUNK)
+    inner = flat(greedy[1:]).at[idx].set(found[n:], mode="drop").reshape(steps - 1, n, b)
+    return jnp.concatenate([inner, found[None, :n]])
 
 
 def _where(mask, a, b):

@@ -54,7 +54,8 @@ _P = trading.PORTFOLIO_DIM
 # feature row is gathered again at sample time (docs/replay.md gives the bytes saved).
 TRADING_ADAPTER = EnvAdapter(reset=trading.reset, step_env=trading.step_env,
                              encode=trading.encode, decode=trading.decode,
-                             fused=fused.collect_trajectory)
+                             fused=fused.collect_trajectory,
+                             max_episode_steps=lambda params: params.episode_length)
 
 
 @struct.dataclass
