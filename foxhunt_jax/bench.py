@@ -389,16 +389,9 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
         out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
                                                "dtype": net.dtype, "kind": "taken_logits",
                                                "logits_rel_err": rel})
-        for n, obs in inputs.items():
-            acts = actions(n, 12)
-            for backend, f in fns.items():
-                ms = time_calls(lambda: f(params, obs, acts), reps, warmup=2)
-                out["rows"].append({"n": n, "backend": backend, "dtype": net.dtype,
-                                    "config": "taken_logits", **_fwd_rates(ms, n, flops)})
-                print(f"  taken-action logits N={n} {backend}/{net.dtype}: "
-                      f"{statistics.median(ms):.3f} ms"
-                      + (f", rel err vs Flax {rel:.2e}" if backend == "pallas" else ""),
-                      flush=True)
+        _time_backends(out, fns, params, inputs, lambda n: actions(n, 12), reps, flops,
+                       net.dtype, "taken_logits", "taken-action logits",
+                       f", rel err vs Flax {rel:.2e}")
     except Exception as e:
         out.setdefault("equality", []).append({"kind": "taken_logits",
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
@@ -430,20 +423,27 @@ def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops
         out.setdefault("equality", []).append({
             "n": int(obs_chk.shape[0]), "backend": "pallas", "dtype": net.dtype, "kind": "act",
             "greedy_differ_share": float(np.mean(g != g_x)), "taken_logits_rel_err": rel})
-        for n, obs in inputs.items():
-            r = draws(n, 14)
-            for backend, f in fns.items():
-                ms = time_calls(lambda: f(params, obs, r), reps, warmup=2)
-                out["rows"].append({"n": n, "backend": backend, "dtype": net.dtype,
-                                    "config": "act", **_fwd_rates(ms, n, flops)})
-                print(f"  act (greedy + taken logits) N={n} {backend}/{net.dtype}: "
-                      f"{statistics.median(ms):.3f} ms"
-                      + (f", greedy differ {np.mean(g != g_x):.1e}, taken rel err {rel:.2e}"
-                         if backend == "pallas" else ""), flush=True)
+        _time_backends(out, fns, params, inputs, lambda n: draws(n, 14), reps, flops, net.dtype,
+                       "act", "act (greedy + taken logits)",
+                       f", greedy differ {np.mean(g != g_x):.1e}, taken rel err {rel:.2e}")
     except Exception as e:
         out.setdefault("equality", []).append({"kind": "act",
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
         print(f"  act: FAILED {str(e)[:300]}", flush=True)
+
+
+def _time_backends(out: dict, fns: dict, params, inputs: dict, extra, reps: int, flops: int,
+                   dtype: str, config: str, label: str, pallas_note: str) -> None:
+    """Times each backend's ``fn(params, obs, extra(n))`` at each N of ``inputs`` into
+    ``out["rows"]`` (``config`` names the forward) and prints it."""
+    for n, obs in inputs.items():
+        arg = extra(n)
+        for backend, f in fns.items():
+            ms = time_calls(lambda: f(params, obs, arg), reps, warmup=2)
+            out["rows"].append({"n": n, "backend": backend, "dtype": dtype, "config": config,
+                                **_fwd_rates(ms, n, flops)})
+            print(f"  {label} N={n} {backend}/{dtype}: {statistics.median(ms):.3f} ms"
+                  + (pallas_note if backend == "pallas" else ""), flush=True)
 
 
 def _fwd_rates(ms: list[float], n: int, flops: int) -> dict:

@@ -54,6 +54,30 @@ def test_quick_run_writes_json_and_tables(tmp_path, capsys):
     assert res["meta"]["command"].startswith("foxhunt-jax bench --quick")
 
 
+def test_forward_section_checks_and_times_the_taken_logits_and_act_forwards():
+    """The bf16 rows of the forward section: taken-action logits and ``network.act`` on both
+    backends (the kernels interpreted here), with their equality against Flax."""
+    import jax
+    import jax.numpy as jnp
+
+    from foxhunt_jax.agent.network import QNetwork, support
+
+    net = QNetwork(branch_sizes=(3, 2), trunk=(16,), head=16, atoms=5, dtype="bfloat16")
+    params = net.init(jax.random.key(0), jnp.zeros((1, 8), jnp.float32))
+    obs = jax.random.normal(jax.random.key(1), (32, 8), jnp.float32)
+    out = {"rows": []}
+    bench._logits_rows(out, net, params, obs, {32: obs}, 1, 1000)
+    bench._act_rows(out, net, params, support(-1.0, 1.0, 5), obs, {32: obs}, 1, 1000)
+    checks = {r["kind"]: r for r in out["equality"]}
+    assert "error" not in checks["act"] and "error" not in checks["taken_logits"]
+    assert checks["taken_logits"]["logits_rel_err"] < 1e-2  # bf16 products, f32 sums
+    assert checks["act"]["taken_logits_rel_err"] < 1e-2
+    assert checks["act"]["greedy_differ_share"] <= 0.05  # near-ties only
+    assert {(r["config"], r["backend"]) for r in out["rows"]} == {
+        (c, b) for c in ("taken_logits", "act") for b in ("xla", "pallas")}
+    assert all(r["n"] == 32 and r["ms"] > 0 for r in out["rows"])
+
+
 class _RecordedTrainer:
     """Replays recorded phase times through the Trainer methods the bench calls."""
 
