@@ -300,8 +300,9 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
     ``on_logits`` (optional) receives the dueling logits the same way: ``on_logits(d, [BM,
     n_pad, Kp])`` or ``on_logits((d, a), [BM, Kp])``; entries past n_d or K are padding
     (finite, to be dropped). ``greedy=False`` stops after the logits (no softmax, expected Q or
-    argmax; for ``on_logits`` alone). ``on_action(d, action [BM])`` (optional) receives branch
-    d's greedy action once it is known, after its ``on_logits`` calls (:class:`TakenLogits`).
+    argmax; for ``on_logits`` alone). ``on_action(d, action [BM], logits)`` (optional) receives
+    branch d's greedy action with the logits it was chosen from, padded atoms at -inf
+    (grouped ``[BM, n_pad, Kp]``, per action a list of n_d ``[BM, Kp]``; :class:`TakenLogits`).
     Returns ``B`` int32 ``[BM]`` arrays, the first of equal maxima (as ``jnp.argmax``), or an
     empty list when not ``greedy``.
     """
@@ -342,7 +343,7 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
                 on_q(d, q)
             actions.append(jnp.argmax(q, axis=1).astype(jnp.int32))
             if on_action is not None:
-                on_action(d, actions[-1])
+                on_action(d, actions[-1], logits)
         else:
             advs = [_dense(ha, head_sizes, blocks, f"adv{d}_out", (kp,), cd, False,
                            col0=a * kp)[0] for a in range(n)]
@@ -351,12 +352,14 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
                 mean = mean + a_t
             mean = mean * jnp.float32(1.0 / n)
             best_q = best_a = None
+            masked = []
             for a, a_t in enumerate(advs):
                 if on_logits is not None:
                     on_logits((d, a), v + a_t - mean)
                 if not greedy:
                     continue
                 logits = jnp.where(atom_ok, v + a_t - mean, neg_inf)
+                masked.append(logits)
                 q = _softmax_mean(logits, z[None, :], axis=1)  # [BM]
                 if on_q is not None:
                     on_q((d, a), q)
@@ -369,7 +372,7 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
             if greedy:
                 actions.append(best_a)
                 if on_action is not None:
-                    on_action(d, best_a)
+                    on_action(d, best_a, masked)
     return actions
 
 
@@ -388,23 +391,18 @@ def pick_logits(logits, action: jax.Array) -> jax.Array:
 
 
 class TakenLogits:
-    """:func:`forward_rows` callbacks (``on_logits``, ``on_action``) that hand on each branch's
-    logits of the action taken: the explore draw where ``draw(d) [BM]`` is >= 0, else the
-    greedy action (``draw`` None: always greedy). ``store(d, logits [BM, Kp])`` receives them.
-    A branch's logits are kept only until its greedy action is known."""
+    """A :func:`forward_rows` ``on_action`` callback that hands on each branch's logits of the
+    action taken: the explore draw where ``draw(d) [BM]`` is >= 0, else the greedy action
+    (``draw`` None: always greedy). ``store(d, logits [BM, Kp])`` receives them, padded atoms
+    at -inf. It picks from the logits the greedy softmax already holds: keeping a copy of the
+    unmasked ones alive through the softmax made the rollout kernel 6 % slower on an H200
+    (BENCHMARKS.md, session 15)."""
 
     def __init__(self, store, draw=None):
-        self.store, self.draw, self.kept = store, draw, {}
+        self.store, self.draw = store, draw
 
-    def on_logits(self, where, logits):
-        self.kept[where] = logits
-
-    def on_action(self, d: int, greedy: jax.Array) -> None:
+    def __call__(self, d: int, greedy: jax.Array, logits) -> None:
         taken = greedy if self.draw is None else apply_draws(self.draw(d), greedy)
-        if d in self.kept:  # grouped
-            logits = self.kept.pop(d)
-        else:  # per action: keys (d, a), a = 0 .. n_d - 1
-            logits = [self.kept.pop(k) for k in sorted(k for k in self.kept if k[0] == d)]
         self.store(d, pick_logits(logits, taken))
 
 
@@ -454,8 +452,7 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
 
         def store_taken(d, logits):
             logit_refs[d][...] = logits
-        taken = TakenLogits(store_taken, lambda d: sel_ref[:, d])
-        on_logits, on_action = taken.on_logits, taken.on_action
+        on_logits, on_action = None, TakenLogits(store_taken, lambda d: sel_ref[:, d])
 
     blocks = read_blocks(plan, cd, config.layout, ops, x_ref.shape[0], config.lookahead)
     blocks.start()

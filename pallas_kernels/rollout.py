@@ -96,16 +96,13 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
         blocks = read_blocks(plan, cd, layout, ops, state.bar.shape[0], lookahead)
         blocks.start()  # the first weight loads wait alongside the observation's gather
         xs = observe(state, port)
-        on_logits = on_action = None
+        on_action = None
         if mode == "collect":  # the taken actions' logits, for the initial priorities
 
             def store(d, logits):
                 taken_ref[t, d, :, :] = logits
-            draw = (lambda d: draws_ref[t, d, :]) if explore else None
-            taken = TakenLogits(store, draw)
-            on_logits, on_action = taken.on_logits, taken.on_action
-        greedy = forward_rows(plan, cd, layout, blocks, xs, z, on_logits=on_logits,
-                              on_action=on_action)
+            on_action = TakenLogits(store, (lambda d: draws_ref[t, d, :]) if explore else None)
+        greedy = forward_rows(plan, cd, layout, blocks, xs, z, on_action=on_action)
         actions = greedy
         if explore:
             actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(greedy)]
