@@ -24,7 +24,7 @@ from foxhunt_jax.config import load_config
 from foxhunt_jax.data.features import build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
-from foxhunt_jax.training import collect
+from foxhunt_jax.training import collect, validate
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
 
 SMALL = ["network.trunk=[32]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
@@ -102,3 +102,45 @@ def test_initial_priorities_equal_the_learners_loss(tables, n_step, limit, overr
         chex.assert_shape(prio, (steps * n,))
         np.testing.assert_allclose(np.asarray(prio)[keep], np.asarray(ref)[keep], rtol=2e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("episode_length, lengths", [
+    (6, None),  # every window truncates at its last step
+    (6, [6, 3, 5, 6, 1, 6, 2, 6]),  # windows of their own lengths
+    (4, None),  # the env truncates from step 4 on: every later step too (no reset)
+])
+def test_validation_loss_equals_the_learners_loss(tables, episode_length, lengths):
+    """validate.validation_loss takes the greedy actions at the bootstrap observations from
+    the greedy rollout and forwards only at truncated steps: the weighted mean of the learner's
+    per-sample loss over the same transitions, with ruin ending some windows early."""
+    cfg = load_config("smoke", SMALL + [f"env.episode_length={episode_length}",
+                                        "env.ruin_floor=0.99", "env.cost_bps=20",
+                                        "train.n_step=2"])
+    params = trading.make_params(tables, cfg.env, "validation")
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    agent = init_agent(jax.random.key(seed), learner, trading.obs_dim(params))
+    agent = agent.replace(params=jax.tree.map(lambda x: 1.5 * x, agent.params))
+    starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 8))
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    traj = jax.jit(lambda p: validate.greedy_rollout(learner, p, params, starts, 6,
+                                                     jax.random.key(0), lens))(agent.params)
+    got = jax.jit(lambda a, tr: validate.validation_loss(learner, a.params, a.target_params,
+                                                         params, tr))(agent, traj)
+    flat = lambda x: np.asarray(x).reshape((-1,) + np.shape(x)[2:])  # noqa: E731
+    returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
+                                                 traj["truncated"] | ~traj["alive"],
+                                                 cfg.train.gamma, 2)
+    rows = np.arange(6)[:, None] + np.asarray(offsets) - 1
+    nxt = {k: np.take_along_axis(np.asarray(traj[k]), rows.reshape(rows.shape + (1,) * (
+        np.ndim(traj[k]) - 2)), axis=0) for k in ("next_bar", "next_portfolio")}
+    obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
+                         params)
+    next_obs = trading.decode({"bar": flat(nxt["next_bar"]),
+                               "portfolio": flat(nxt["next_portfolio"])}, params)
+    ref = per_sample_loss(learner, agent.params, agent.target_params, obs, next_obs,
+                          flat(traj["action"]), flat(returns), flat(discounts))
+    alive = flat(traj["alive"]).astype(np.float64)
+    assert 0 < alive.mean() < 1 or lengths is None  # short windows are masked
+    np.testing.assert_allclose(float(got), float(np.sum(np.asarray(ref) * alive) / alive.sum()),
+                               rtol=2e-5)

@@ -200,14 +200,12 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
 
 
 def test_validation_loss_backends_agree(tables, monkeypatch):
-    """The validation loss runs its three forwards through the fused kernels (interpret mode
-    here) under the Pallas backend: the same loss as the Flax forwards. Where this agent's
+    """The validation loss runs its forwards through the fused kernels (interpret mode here)
+    under the Pallas backend: the same loss as the Flax forwards. Where this agent's
     expected Q sit near v_max, two actions' values can tie to ~1e-6, and the two backends
     (summing in different orders) may break such a tie at s' differently and bootstrap from
     another action; so the losses are equal to 1e-5 given the same greedy actions at s', and
     to 2e-3 with each backend's own."""
-    from foxhunt_jax.agent import learner as learner_mod
-
     seed = int(np.random.default_rng().integers(1 << 30))
     loss = {}
     for backend in ("xla", "pallas", "pallas, Flax greedy at s'"):
@@ -219,8 +217,8 @@ def test_validation_loss_backends_agree(tables, monkeypatch):
         if backend == "xla":
             ref_traj = traj  # every loss on one trajectory, so only the forwards differ
         if "Flax" in backend:
-            q_forward = learner_mod.q_forward
-            monkeypatch.setattr(learner_mod, "q_forward",
+            q_forward = validate.q_forward
+            monkeypatch.setattr(validate, "q_forward",
                                 lambda p, o, n, z, b: q_forward(p, o, n, z, "xla"))
         loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
             _l, a.params, a.target_params, _e, t))(agent, ref_traj)

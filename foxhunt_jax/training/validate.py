@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from foxhunt_jax.agent.learner import Learner, per_sample_loss
-from foxhunt_jax.agent.loss import n_step_targets
-from foxhunt_jax.agent.network import q_forward
+from foxhunt_jax.agent.learner import Learner
+from foxhunt_jax.agent.loss import c51_loss, n_step_targets
+from foxhunt_jax.agent.network import q_forward, taken_logits
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
 
@@ -161,19 +161,41 @@ def oracle_policy(last_log_return, env_cfg):
 
 
 def validation_loss(learner: Learner, params, target_params, env_params, traj) -> jax.Array:
-    """Mean C51 loss over the held-out transitions of a validation rollout."""
+    """Mean C51 loss over the held-out transitions of a validation rollout.
+
+    The learner's loss (:func:`~foxhunt_jax.agent.learner.per_sample_loss`), except that the
+    online network's greedy action at a bootstrap observation is the rollout's own where the
+    window went on (a greedy rollout acts on that observation at the next step); a forward runs
+    only at truncated steps' next observations. Without a reset a window truncates at its end,
+    and at every step from the env's ``episode_length`` on, so each has at most
+    ``max(1, L - episode_length + 1)`` of them: a gather of static size. A terminated step's
+    greedy action does not enter its loss (its discount is 0).
+    """
     t = learner.train_cfg
+    steps, w = traj["reward"].shape
     returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
                                                  traj["truncated"] | ~traj["alive"], t.gamma, t.n_step)
-    rows = jnp.arange(traj["reward"].shape[0])[:, None] + offsets - 1
+    rows = jnp.arange(steps)[:, None] + offsets - 1
     take = lambda x: jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    net, z, backend = learner.network, learner.support, learner.net_cfg.backend
+    # the greedy action at each step's next observation: the next step's action, or a forward
+    ends = flat(traj["truncated"] & traj["alive"])
+    per_window = min(steps, max(1, steps - env_params.episode_length + 1))
+    idx = jnp.nonzero(ends, size=per_window * w, fill_value=ends.shape[0])[0]
+    end_obs = trading.decode({"bar": jnp.take(flat(traj["next_bar"]), idx, mode="clip"),
+                              "portfolio": jnp.take(flat(traj["next_portfolio"]), idx, axis=0,
+                                                    mode="clip")}, env_params)
+    greedy = jnp.concatenate([traj["action"][1:], traj["action"][-1:]])
+    greedy = flat(greedy).at[idx].set(q_forward(params, end_obs, net, z, backend)[1],
+                                      mode="drop").reshape(greedy.shape)
     obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
                                "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
-    losses = per_sample_loss(learner, params, target_params, obs, next_obs, flat(traj["action"]),
-                             flat(returns), flat(discounts), learner.net_cfg.backend)
+    losses = c51_loss(taken_logits(params, obs, flat(traj["action"]), net, backend),
+                      taken_logits(target_params, next_obs, flat(take(greedy)), net, backend),
+                      flat(returns), flat(discounts), z)
     weight = flat(traj["alive"]).astype(jnp.float32)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
