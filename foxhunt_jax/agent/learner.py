@@ -117,8 +117,10 @@ def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, acti
 
     ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.q_forward`,
     :func:`~foxhunt_jax.agent.network.taken_logits`): the update differentiates the default
-    ``"xla"`` (Flax); initial priorities and the validation loss, which need no gradient, pass
-    the network's configured backend, whose kernels then write each row's chosen logits only.
+    ``"xla"`` (Flax). The initial priorities (:func:`foxhunt_jax.training.collect.collect`) and
+    the validation loss build this same loss from parts their rollouts already computed, and
+    run the forwards they still need on the network's configured backend; tests compare both
+    to this function.
     """
     net, z = learner.network, learner.support
     _, best = q_forward(params, next_obs, net, z, backend)  # an argmax has no gradient
