@@ -217,8 +217,8 @@ def test_validation_loss_backends_agree(tables, monkeypatch):
         if backend == "xla":
             ref_traj = traj  # every loss on one trajectory, so only the forwards differ
         if "Flax" in backend:
-            q_forward = validate.q_forward
-            monkeypatch.setattr(validate, "q_forward",
+            q_forward = collect.q_forward  # the loss's forward at s' (collect.greedy_after)
+            monkeypatch.setattr(collect, "q_forward",
                                 lambda p, o, n, z, b: q_forward(p, o, n, z, "xla"))
         loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
             _l, a.params, a.target_params, _e, t))(agent, ref_traj)

@@ -103,37 +103,51 @@ def chunked(fn: Callable, items: Any, chunk: int) -> Any:
     return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:m], jax.lax.map(fn, blocks))
 
 
+def greedy_after(learner: Learner, params, greedy: jax.Array, need: jax.Array, next_obs,
+                 decode: Callable, size: int) -> jax.Array:
+    """Greedy actions at each step's next observation from a rollout's own, ``[L, N, B]``.
+
+    ``greedy [L, N, B]``: the greedy actions of the observations the rollout acted on;
+    ``need [L, N]`` bool: the steps whose next observation is not the one acted on at t + 1
+    (at most ``size`` of them, a static bound); ``next_obs``: their encodings ``[L, N, ...]``
+    (a pytree), which ``decode(enc [M, ...]) -> obs [M, D]`` rebuilds. Elsewhere the result is
+    ``greedy[t + 1]``; at the ``need`` rows, the online forward of their next observation,
+    gathered into one batch of ``size`` rows.
+    """
+    steps, n, b = greedy.shape
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
+    want = flat(need)
+    idx = jnp.nonzero(want, size=size, fill_value=want.shape[0])[0]  # then past the end: none
+    rows = jax.tree.map(lambda x: jnp.take(flat(x), idx, axis=0, mode="clip"), next_obs)
+
+    def forward(e):
+        return q_forward(params, decode(e), learner.network, learner.support,
+                         learner.net_cfg.backend)[1]
+
+    shifted = flat(jnp.concatenate([greedy[1:], greedy[-1:]]))
+    found = chunked(forward, rows, PRIORITY_CHUNK)
+    return shifted.at[idx].set(found, mode="drop").reshape(steps, n, b)
+
+
 def next_greedy(learner: Learner, adapter: EnvAdapter, env_params, params, traj) -> jax.Array:
     """The online network's greedy actions at each step's next observation, ``[L, N, B]``.
 
     Where an episode goes on, the next observation of step t is the one the rollout acted on
     at t + 1, so its greedy action is ``traj["greedy"][t + 1]`` and needs no forward. A forward
-    runs only for the others: the last step's next observations and those of truncated steps
-    (before their reset). Truncations are at least ``adapter.max_episode_steps`` (T) steps
-    apart, so the first L - 1 steps hold at most ``ceil((L - 1) / T)`` of them per episode,
-    and those rows are gathered into a batch of that static size (the whole window when T is
-    unknown). A terminated step keeps ``greedy[t + 1]`` (a reset observation's): its discount
-    is 0, so its target distribution is its return's whatever the bootstrap logits.
+    runs only for the others (:func:`greedy_after`): the last step's next observations and
+    those of truncated steps (before their reset). Truncations are at least
+    ``adapter.max_episode_steps`` (T) steps apart, so the first L - 1 steps hold at most
+    ``ceil((L - 1) / T)`` of them per episode, and the rows are gathered into a batch of that
+    static size plus N (the whole window when T is unknown). A terminated step keeps
+    ``greedy[t + 1]`` (a reset observation's): its discount is 0, so its target distribution is
+    its return's whatever the bootstrap logits.
     """
-    greedy = traj["greedy"]
-    steps, n, b = greedy.shape
+    steps, n, _ = traj["greedy"].shape
     limit = adapter.max_episode_steps(env_params) if adapter.max_episode_steps else 1
     per_episode = min(steps - 1, -(-(steps - 1) // limit))
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
-    trunc = flat(traj["truncated"][:-1])  # [(L - 1) * N]
-    # the truncated rows of the first L - 1 steps (then an index past the end: none)
-    idx = jnp.nonzero(trunc, size=per_episode * n, fill_value=trunc.shape[0])[0]
-    before = jax.tree.map(lambda x: jnp.take(flat(x[:-1]), idx, axis=0, mode="clip"),
-                          traj["next_obs"])
-    rows = jax.tree.map(lambda a, c: jnp.concatenate([a[-1], c]), traj["next_obs"], before)
-    net, backend = learner.network, learner.net_cfg.backend
-
-    def forward(e):
-        return q_forward(params, adapter.decode(e, env_params), net, learner.support, backend)[1]
-
-    found = chunked(forward, rows, PRIORITY_CHUNK)
-    inner = flat(greedy[1:]).at[idx].set(found[n:], mode="drop").reshape(steps - 1, n, b)
-    return jnp.concatenate([inner, found[None, :n]])
+    need = traj["truncated"].at[-1].set(True)
+    return greedy_after(learner, params, traj["greedy"], need, traj["next_obs"],
+                        lambda e: adapter.decode(e, env_params), (per_episode + 1) * n)
 
 
 def _where(mask, a, b):

@@ -31,6 +31,7 @@ from foxhunt_jax.agent.loss import c51_loss, n_step_targets
 from foxhunt_jax.agent.network import q_forward, taken_logits
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
+from foxhunt_jax.training.collect import greedy_after
 
 
 def window_starts(starts: np.ndarray, count: int) -> np.ndarray:
@@ -180,15 +181,10 @@ def validation_loss(learner: Learner, params, target_params, env_params, traj) -
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     net, z, backend = learner.network, learner.support, learner.net_cfg.backend
     # the greedy action at each step's next observation: the next step's action, or a forward
-    ends = flat(traj["truncated"] & traj["alive"])
     per_window = min(steps, max(1, steps - env_params.episode_length + 1))
-    idx = jnp.nonzero(ends, size=per_window * w, fill_value=ends.shape[0])[0]
-    end_obs = trading.decode({"bar": jnp.take(flat(traj["next_bar"]), idx, mode="clip"),
-                              "portfolio": jnp.take(flat(traj["next_portfolio"]), idx, axis=0,
-                                                    mode="clip")}, env_params)
-    greedy = jnp.concatenate([traj["action"][1:], traj["action"][-1:]])
-    greedy = flat(greedy).at[idx].set(q_forward(params, end_obs, net, z, backend)[1],
-                                      mode="drop").reshape(greedy.shape)
+    greedy = greedy_after(learner, params, traj["action"], traj["truncated"] & traj["alive"],
+                          {"bar": traj["next_bar"], "portfolio": traj["next_portfolio"]},
+                          lambda e: trading.decode(e, env_params), per_window * w)
     obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
