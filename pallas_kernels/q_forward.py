@@ -446,13 +446,13 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
         else:
             q_ref[:, pl.ds(plan.q_offsets[where], plan.actions_pad(where))] = q
 
-    on_logits = store_logits if with_logits else None
+    on_logits = store_logits if with_logits and select != "explore" else None
     on_action = None
     if select == "explore":  # the taken action is known only after the branch's greedy one
 
         def store_taken(d, logits):
             logit_refs[d][...] = logits
-        on_logits, on_action = None, TakenLogits(store_taken, lambda d: sel_ref[:, d])
+        on_action = TakenLogits(store_taken, lambda d: sel_ref[:, d])
 
     blocks = read_blocks(plan, cd, config.layout, ops, x_ref.shape[0], config.lookahead)
     blocks.start()

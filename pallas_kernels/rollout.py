@@ -120,10 +120,9 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
             out_i_ref[t, c, :] = v.astype(jnp.int32)
         for d, a in enumerate(actions):
             out_i_ref[t, len(OUT_I) + d, :] = a
-        if mode == "collect":
+        if mode == "collect":  # the greedy actions; auto-reset at a pre-drawn start bar
             for d, a in enumerate(greedy):
                 out_i_ref[t, len(OUT_I) + nb + d, :] = a
-        if mode == "collect":  # auto-reset at a pre-drawn start bar
             done = term | trunc
             fresh = trading.fresh_state(resets_ref[t, :])
             state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, new)
