@@ -359,6 +359,8 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             _logits_rows(out, net, params, obs_chk, inputs, reps, flops)
         if dtype == "bfloat16" and deadline.ok(30):
             _act_rows(out, net, params, z, obs_chk, inputs, reps, flops)
+        if dtype == "bfloat16" and deadline.ok(30):
+            _loss_rows(out, net, params, z, obs_chk, inputs, reps, flops)
 
 
 def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops: int) -> None:
@@ -430,6 +432,48 @@ def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops
         out.setdefault("equality", []).append({"kind": "act",
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
         print(f"  act: FAILED {str(e)[:300]}", flush=True)
+
+
+def _loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops: int) -> None:
+    """The target's part of the C51 loss (``loss.bootstrap_loss``: the target forward at the
+    bootstrap actions, its softmax, the projection and the cross-entropy with given online
+    logits), as the initial priorities and the validation loss run it, on XLA against the
+    fused kernel, timed at each N; the largest relative difference on fresh inputs (returns
+    spread over the support, a fifth of the rows terminated)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from foxhunt_jax.agent.loss import bootstrap_loss
+    from foxhunt_jax.jitcache import jit
+
+    fns = {b: jit(lambda p, o, a, _b=b: bootstrap_loss(p, o, *a, net, z, _b))
+           for b in ("xla", "pallas")}
+
+    def loss_inputs(n, seed):
+        nb = len(net.branch_sizes)
+        k = jax.random.split(jax.random.key(seed), 2 * nb + 2)
+        best = jnp.stack([jax.random.randint(k[d], (n,), 0, nd)
+                          for d, nd in enumerate(net.branch_sizes)], axis=1)
+        taken = tuple(2.0 * jax.random.normal(k[nb + d], (n, net.atoms)) for d in range(nb))
+        returns = 5.0 * jax.random.normal(k[-2], (n,))
+        discounts = jnp.where(jax.random.uniform(k[-1], (n,)) < 0.2, 0.0, 0.99)
+        return best, taken, returns, discounts
+    try:
+        args = loss_inputs(obs_chk.shape[0], 15)
+        got, ref = (np.asarray(jax.device_get(fns[b](params, obs_chk, args)), np.float64)
+                    for b in ("pallas", "xla"))
+        rel = _rel_err(got, ref)
+        out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
+                                               "dtype": net.dtype, "kind": "bootstrap_loss",
+                                               "loss_rel_err": rel})
+        _time_backends(out, fns, params, inputs, lambda n: loss_inputs(n, 16), reps, flops,
+                       net.dtype, "bootstrap_loss", "target forward + C51 loss",
+                       f", rel err vs XLA {rel:.2e}")
+    except Exception as e:
+        out.setdefault("equality", []).append({"kind": "bootstrap_loss",
+                                               "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        print(f"  target forward + C51 loss: FAILED {str(e)[:300]}", flush=True)
 
 
 def _time_backends(out: dict, fns: dict, params, inputs: dict, extra, reps: int, flops: int,

@@ -16,7 +16,10 @@ output): at 2^20 rows 2.81 ms against 4.38 ms for XLA (BENCHMARKS.md, session 5)
 action per branch and row it writes only those actions' logits, which is what the initial
 priorities and the validation loss read (``network.taken_logits``): at 102,400 rows 0.39 ms
 against 0.59 ms for XLA, and the loss after it reads 0.4 instead of 3 KB a transition
-(BENCHMARKS.md, session 12).
+(BENCHMARKS.md, session 12). :func:`fused_bootstrap_loss` goes on from those logits to the C51
+loss (:func:`c51_rows`: softmax, projection, cross-entropy with given online logits) and writes
+one float a row: at 102,400 rows 0.43 ms against 0.80 ms for XLA's forward and loss
+(BENCHMARKS.md, session 16).
 
 The weights stream from device memory (L2) through each program once per block of rows. The
 kernel reads them through :class:`_Blocks`, which can issue each block's load a few blocks
@@ -406,18 +409,59 @@ class TakenLogits:
         self.store(d, pick_logits(logits, taken))
 
 
+def c51_rows(taken, target, returns, discounts, z, atoms: int):
+    """One branch's C51 loss per row inside a kernel (:func:`foxhunt_jax.agent.loss.c51_loss`):
+    ``taken``, ``target`` ``[BM, Kp]`` logits of the taken action at s and of the bootstrap
+    action at s' (entries past ``atoms`` ignored), ``returns``, ``discounts`` ``[BM]``, ``z``
+    ``[Kp]`` the support (zero past ``atoms``) -> ``[BM]`` float32.
+
+    The cross-entropy ``-sum_i m_i log q_i`` of the projected target ``m_i = sum_j p_j w_ji``
+    is summed in the other order, ``-sum_j p_j sum_i w_ji log q_i`` (the triangular weights
+    ``w`` of :func:`~foxhunt_jax.agent.loss.categorical_projection`), one atom ``i`` at a time:
+    only ``[BM, Kp]`` tensors are live, where the ``[BM, Kp, Kp]`` weights would not fit in
+    registers.
+    """
+    kp = z.shape[0]
+    atom = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
+    ok = atom < atoms
+    neg_inf = jnp.float32(-jnp.inf)
+    t = jnp.where(ok, target, neg_inf)
+    e = jnp.exp(t - jnp.max(t, axis=1, keepdims=True))
+    p = e / jnp.sum(e, axis=1, keepdims=True)  # exact zeros past atoms
+    q = jnp.where(ok, taken, neg_inf)
+    q = q - jnp.max(q, axis=1, keepdims=True)
+    log_q = jnp.where(ok, q - jnp.log(jnp.sum(jnp.exp(q), axis=1, keepdims=True)), 0.0)
+    v_min = jnp.sum(jnp.where(atom[0] == 0, z, 0.0))
+    v_max = jnp.sum(jnp.where(atom[0] == atoms - 1, z, 0.0))
+    dz = (v_max - v_min) / (atoms - 1)
+    tz = jnp.clip(returns[:, None] + discounts[:, None] * z[None, :], v_min, v_max)
+    b = jnp.clip((tz - v_min) / dz, 0.0, atoms - 1.0)  # [BM, Kp] fractional target index
+    interp = jnp.zeros(b.shape, jnp.float32)  # sum_i w_ji log q_i
+    for i in range(atoms):
+        log_q_i = jnp.sum(jnp.where(atom == i, log_q, 0.0), axis=1)
+        interp = interp + jnp.maximum(0.0, 1.0 - jnp.abs(b - i)) * log_q_i[:, None]
+    return -jnp.sum(p * interp, axis=1)
+
+
 def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
             greedy: bool, select: str | None, x_ref, *refs):
-    """Inputs: the observation block, the support ``[Kp]`` (``greedy`` only), the actions
-    ``[BM, B]`` (``select="given"``) or the explore draws ``[BM, B]`` (``select="explore"``),
-    the parameter operands. Outputs, in order: expected Q (``with_q``), per branch one logits
-    block ``[BM, n_pad, Kp]`` (``with_logits``) or, with ``select``, the logits of the given or
-    the taken action ``[BM, Kp]``, then the greedy actions (``greedy``)."""
+    """Inputs: the observation block, the support ``[Kp]`` (``greedy`` or ``select="loss"``),
+    the actions ``[BM, B]`` (``select="given"`` or ``"loss"``) or the explore draws ``[BM, B]``
+    (``select="explore"``), with ``select="loss"`` each branch's taken logits ``[BM, Kp]``,
+    the returns and the discounts ``[BM]``, then the parameter operands. Outputs, in order:
+    expected Q (``with_q``), per branch one logits block ``[BM, n_pad, Kp]`` (``with_logits``)
+    or, with ``select``, the logits of the given or the taken action ``[BM, Kp]``, or with
+    ``select="loss"`` the C51 loss ``[BM]`` (:func:`c51_rows`, mean over branches), then the
+    greedy actions (``greedy``)."""
     z = sel_ref = None
-    if greedy:
+    if greedy or select == "loss":
         z, refs = refs[0][...], refs[1:]
     if select:
         sel_ref, refs = refs[0], refs[1:]
+    nb = len(plan.branch_sizes)
+    if select == "loss":
+        taken_refs, ret_ref, disc_ref, refs = refs[:nb], refs[nb], refs[nb + 1], refs[nb + 2:]
+        target = {}  # per branch, the picked logits (per action: the running masked sum)
     n_ops = len(operand_names(plan))
     ops = dict(zip(operand_names(plan), refs[:n_ops]))
     outs = refs[n_ops:]
@@ -426,7 +470,14 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
     act_ref = outs[-1] if greedy else None
 
     def store_logits(where, logits):
-        if isinstance(where, tuple):
+        if select == "loss":  # keep the bootstrap action's logits for the loss below
+            d, a = where if isinstance(where, tuple) else (where, None)
+            if a is None:
+                target[d] = pick_logits(logits, sel_ref[:, d])
+            else:  # exactly one action of the branch matches, so the others add zeros
+                hit = jnp.where(sel_ref[:, d][:, None] == a, logits, 0.0)
+                target[d] = hit if a == 0 else target[d] + hit
+        elif isinstance(where, tuple):
             d, a = where
             if not select:
                 logit_refs[d][:, a, :] = logits
@@ -462,6 +513,13 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
                            store_q if with_q else None, on_logits, on_action, greedy=greedy)
     for d, a in enumerate(actions):
         act_ref[:, d] = a
+    if select == "loss":
+        ret, disc = ret_ref[...], disc_ref[...]
+        total = None
+        for d in range(nb):
+            loss_d = c51_rows(taken_refs[d][...], target[d], ret, disc, z, plan.atoms)
+            total = loss_d if total is None else total + loss_d
+        logit_refs[0][...] = total * jnp.float32(1.0 / nb)
 
 
 # --- the public function ----------------------------------------------------------------------
@@ -538,18 +596,25 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
 
 def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q: bool,
          with_logits: bool, config: KernelConfig | None, interpret: bool | None,
-         actions: jax.Array | None = None, draws: jax.Array | None = None):
+         actions: jax.Array | None = None, draws: jax.Array | None = None,
+         loss_args: tuple | None = None):
     """The kernel over ``obs [N, D]``: (q tuple or None, logits tuple or None, actions [N, B]
     or None). ``support`` None stops the kernel at the logits (no greedy tail, no actions).
     ``actions [N, B]`` (with ``with_logits``): each branch's logits of that action only,
     ``[N, K]``, instead of all of them; ``draws [N, B]`` (with ``with_logits`` and
-    ``support``): those of the action taken, the draw where it is >= 0, else the greedy one."""
+    ``support``): those of the action taken, the draw where it is >= 0, else the greedy one.
+    ``loss_args = (support, taken, returns, discounts)`` (with ``actions``, ``with_logits``
+    and no ``support``): the logits are the C51 loss ``[N]`` instead (:func:`c51_rows`)."""
     greedy = support is not None
     if actions is not None and draws is not None:
         raise ValueError("q_forward kernel: give actions or draws, not both")
     select = "given" if actions is not None else "explore" if draws is not None else None
     if select == "explore" and not (greedy and with_logits):
         raise ValueError("q_forward kernel: draws need the greedy tail and the logits")
+    if loss_args is not None:
+        if not (select == "given" and with_logits and not greedy and not with_q):
+            raise ValueError("q_forward kernel: the loss needs the bootstrap actions alone")
+        select = "loss"
     if config is None:
         config = default_config(network.dtype)
     if config.layout not in LAYOUTS:
@@ -572,17 +637,30 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
     if greedy:
         inputs.append(jnp.pad(jnp.asarray(support, jnp.float32), (0, kp - plan.atoms)))
         in_specs.append(full(inputs[-1]))
+    if select == "loss":
+        inputs.append(jnp.pad(jnp.asarray(loss_args[0], jnp.float32), (0, kp - plan.atoms)))
+        in_specs.append(full(inputs[-1]))
     if select:
         inputs.append(_pad2(jnp.asarray(actions if draws is None else draws, jnp.int32), rows,
                             nb))
         in_specs.append(pl.BlockSpec((bm, nb), lambda i: (i, 0)))
+    if select == "loss":
+        _, taken, returns, discounts = loss_args
+        inputs += [_pad2(jnp.asarray(t, jnp.float32), rows, kp) for t in taken]
+        in_specs += [pl.BlockSpec((bm, kp), lambda i: (i, 0))] * nb
+        inputs += [jnp.pad(jnp.asarray(v, jnp.float32), (0, rows - n))
+                   for v in (returns, discounts)]
+        in_specs += [pl.BlockSpec((bm,), lambda i: (i,))] * 2
     inputs += operands
     in_specs += [full(a) for a in operands]
     out_shape, out_specs = [], []
     if with_q:
         out_shape.append(jax.ShapeDtypeStruct((rows, plan.q_width), jnp.float32))
         out_specs.append(pl.BlockSpec((bm, plan.q_width), lambda i: (i, 0)))
-    if with_logits and select:
+    if select == "loss":
+        out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
+        out_specs.append(pl.BlockSpec((bm,), lambda i: (i,)))
+    elif with_logits and select:
         out_shape += [jax.ShapeDtypeStruct((rows, kp), jnp.float32)] * nb
         out_specs += [pl.BlockSpec((bm, kp), lambda i: (i, 0))] * nb
     elif with_logits:
@@ -600,6 +678,8 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
     q = logits = None
     if with_q:
         q = tuple(outs[0][:n, o:o + nd] for o, nd in zip(plan.q_offsets, plan.branch_sizes))
+    if select == "loss":
+        return None, outs[0][:n], None
     if with_logits:
         blocks_out = outs[int(with_q):len(outs) - int(greedy)]
         logits = (tuple(x[:n, :plan.atoms] for x in blocks_out) if select else
@@ -663,6 +743,29 @@ def fused_act(params: Any, obs: jax.Array, network, support: jax.Array, draws: j
     return greedy, logits
 
 
+def fused_bootstrap_loss(target_params: Any, next_obs: jax.Array, network, support: jax.Array,
+                         best: jax.Array, taken: Sequence[jax.Array], returns: jax.Array,
+                         discounts: jax.Array, *, config: KernelConfig | None = None,
+                         interpret: bool | None = None) -> jax.Array:
+    """The C51 loss against the target network's bootstrap distribution, in one fused kernel:
+    ``c51_loss(taken, taken_logits(target_params, next_obs, best), returns, discounts,
+    support)`` (:func:`foxhunt_jax.agent.loss.c51_loss`).
+
+    Args:
+      target_params: the target ``QNetwork``'s parameters; ``next_obs`` ``[N, D]`` the
+        bootstrap observations; ``best`` ``[N, B]`` int32 the action each branch bootstraps
+        from (double Q: the online network's greedy one).
+      taken: a tuple over branches of ``[N, K]`` online logits of the taken actions at s.
+      returns, discounts: ``[N]`` float32.
+    Returns:
+      ``[N]`` float32, the loss per row (mean over branches). The kernel writes one float a
+      row; the target logits, their softmax and the projection stay on chip (no gradient).
+    """
+    _, loss, _ = _run(target_params, next_obs, network, None, False, True, config, interpret,
+                      best, loss_args=(support, tuple(taken), returns, discounts))
+    return loss
+
+
 def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
                   branch_sizes: Sequence[int]) -> int:
     """Multiply-add FLOPs (2 per MAC) of one row through the ten GEMMs (unpadded widths)."""
@@ -676,7 +779,8 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
     return 2 * macs
 
 
-__all__ = ["fused_q_forward", "fused_logits", "fused_act", "forward_rows", "pick_logits",
+__all__ = ["fused_q_forward", "fused_logits", "fused_act", "fused_bootstrap_loss", "c51_rows",
+           "forward_rows", "pick_logits",
            "TakenLogits", "read_blocks", "launch",
            "on_cuda", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
            "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent.learner import epsilon_greedy
+from foxhunt_jax.agent.loss import bootstrap_loss
 from foxhunt_jax.agent.network import (BACKENDS, QNetwork, act, explore_actions, explore_draws,
                                        greedy_actions, q_forward, select_action, support,
                                        taken_logits)
@@ -245,6 +246,52 @@ def test_act_kernel_equals_flax_and_float64(rng, layout):
                                                        via_act[0]))
 
 
+@pytest.mark.parametrize("layout", ["grouped", "per_action"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bootstrap_loss_kernel_equals_c51_loss_and_float64(rng, layout, dtype):
+    """fused_bootstrap_loss is c51_loss of the given online logits against the target network's
+    logits of the bootstrap actions: rows padded (45 of 64), returns inside and beyond the
+    support, terminated rows (discount 0), a return on an atom; against the XLA backend and a
+    float64 loss over the float64 logits."""
+    from test_loss import np_projection, np_softmax
+
+    net = _net(dtype)
+    params = _params(rng, net, D)
+    m, nb = 45, len(BRANCHES)
+    obs = jnp.asarray(2.0 * rng.standard_normal((m, D)), jnp.float32)
+    best = jnp.asarray(rng.integers(0, BRANCHES, (m, nb)), jnp.int32)
+    taken = tuple(jnp.asarray(2.0 * rng.standard_normal((m, 11)), jnp.float32)
+                  for _ in BRANCHES)
+    returns = 4.0 * rng.standard_normal(m)
+    returns[:5] = [30.0, -30.0, 10.0, -10.0, 2.0]  # beyond and on the support's ends, an atom
+    discounts = 0.99 ** rng.integers(1, 4, m)
+    discounts[rng.uniform(size=m) < 0.2] = 0.0
+    discounts[4] = 0.0
+    returns, discounts = jnp.asarray(returns, jnp.float32), jnp.asarray(discounts, jnp.float32)
+    cfg = KernelConfig(block_rows=32, num_warps=4, layout=layout)
+    loss = jax.jit(lambda p, o, a, t, r, g: qf.fused_bootstrap_loss(
+        p, o, net, Z, a, t, r, g, config=cfg, interpret=True))(params, obs, best, taken,
+                                                               returns, discounts)
+    chex.assert_shape(loss, (m,))
+    chex.assert_type(loss, jnp.float32)
+    via_xla = jax.jit(lambda p, o, a, t, r, g: bootstrap_loss(p, o, a, t, r, g, net, Z))(
+        params, obs, best, taken, returns, discounts)
+    tol = 1e-5 if dtype == "float32" else 5e-3  # bf16: the target logits' GEMMs round
+    assert _rel(loss, via_xla) < tol
+    rows, zr = np.arange(m), np.linspace(-10.0, 10.0, 11)
+    ref = np.zeros(m)
+    for d, target in enumerate(_np_logits(params, obs, net)):
+        proj = np_projection(np_softmax(target[rows, np.asarray(best[:, d])]), returns,
+                             discounts, zr)
+        x = np.asarray(taken[d], np.float64)
+        log_q = x - x.max(axis=1, keepdims=True)
+        log_q -= np.log(np.exp(log_q).sum(axis=1, keepdims=True))
+        ref -= (proj * log_q).sum(axis=1) / nb
+    assert _rel(loss, ref) < tol
+    with pytest.raises(ConfigError, match="network.backend"):
+        bootstrap_loss(params, obs, best, taken, returns, discounts, net, Z, "cuda")
+
+
 def test_taken_logits_backends_agree_with_leading_axes(rng):
     net = _net("float32", (6,), (48, 37), 24, 7)
     params = _params(rng, net, 13)
@@ -279,6 +326,14 @@ def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
     assert "xla.gpu.triton" in sharded.trace(
         jnp.zeros((2, 300, D), jnp.float32), jnp.zeros((2, 300, len(BRANCHES)), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
+    # the C51 loss against the target's bootstrap distribution (the initial priorities)
+    k, rows = 11, 300
+    lossing = jax.jit(lambda p, o, a, t, r, g: qf.fused_bootstrap_loss(p, o, net, Z, a, t, r, g,
+                                                                       config=cfg))
+    assert "xla.gpu.triton" in lossing.trace(
+        params, jnp.zeros((rows, D), jnp.float32), jnp.zeros((rows, len(BRANCHES)), jnp.int32),
+        (jnp.zeros((rows, k), jnp.float32),) * len(BRANCHES), jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     # the collection forward: greedy actions and the taken actions' logits
     acting = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg))
     assert "xla.gpu.triton" in acting.trace(

@@ -32,7 +32,7 @@ import optax
 from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.loss import c51_loss
+from foxhunt_jax.agent.loss import bootstrap_loss
 from foxhunt_jax.agent.network import (QNetwork, init_params, q_forward, support as make_support,
                                        taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
@@ -116,17 +116,18 @@ def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, acti
     of the taken and of those greedy actions.
 
     ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.q_forward`,
-    :func:`~foxhunt_jax.agent.network.taken_logits`): the update differentiates the default
-    ``"xla"`` (Flax). The initial priorities (:func:`foxhunt_jax.training.collect.collect`) and
-    the validation loss build this same loss from parts their rollouts already computed, and
-    run the forwards they still need on the network's configured backend; tests compare both
-    to this function.
+    :func:`~foxhunt_jax.agent.network.taken_logits`) and the target's part of the loss
+    (:func:`~foxhunt_jax.agent.loss.bootstrap_loss`): the update differentiates the default
+    ``"xla"`` (Flax and jnp). The initial priorities
+    (:func:`foxhunt_jax.training.collect.collect`) and the validation loss build this same loss
+    from parts their rollouts already computed, and run what they still need on the network's
+    configured backend; tests compare both to this function.
     """
     net, z = learner.network, learner.support
     _, best = q_forward(params, next_obs, net, z, backend)  # an argmax has no gradient
-    return c51_loss(taken_logits(params, obs, action, net, backend),
-                    taken_logits(target_params, next_obs, best, net, backend),
-                    returns, discount, z)
+    return bootstrap_loss(target_params, next_obs, best,
+                          taken_logits(params, obs, action, net, backend), returns, discount,
+                          net, z, backend)
 
 
 def _update_target(learner: Learner, params, target_params, step):

@@ -13,7 +13,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from foxhunt_jax.agent.network import greedy_actions, select_action
+from foxhunt_jax.agent.network import _use_pallas, greedy_actions, select_action, taken_logits
 from foxhunt_jax.errors import ConfigError
 
 
@@ -78,6 +78,38 @@ def c51_loss(taken: Sequence[jax.Array], target_best: Sequence[jax.Array], retur
         log_p = jax.nn.log_softmax(taken_d.astype(jnp.float32), axis=-1)
         per_branch.append(-jnp.sum(m * log_p, axis=-1))
     return jnp.mean(jnp.stack(per_branch, axis=0), axis=0)
+
+
+def bootstrap_loss(target_params, next_obs: jax.Array, best: jax.Array,
+                   taken: Sequence[jax.Array], returns: jax.Array, discounts: jax.Array, network,
+                   support: jax.Array, backend: str = "xla") -> jax.Array:
+    """:func:`c51_loss` of given online logits against the target network's distribution at
+    the bootstrap observation: ``c51_loss(taken, taken_logits(target_params, next_obs, best),
+    returns, discounts, support)``.
+
+    Args:
+      target_params: the target network's parameters; ``network`` the ``QNetwork``.
+      next_obs: ``[M, D]`` bootstrap observations.
+      best: ``[M, B]`` int32, the action each branch bootstraps from (the online network's
+        greedy action there).
+      taken: tuple over branches of ``[M, K]`` online logits of the taken actions at s.
+      returns, discounts, support: as :func:`c51_loss`.
+      backend: ``"xla"`` (Flax and jnp; differentiable in ``taken``) or ``"pallas"``: one
+        kernel, the target forward with the loss after it
+        (:func:`pallas_kernels.q_forward.fused_bootstrap_loss`, tested equal; no gradient),
+        which writes one float a row where XLA writes the target logits and runs the softmax,
+        the projection and the cross-entropy as kernels of their own.
+
+    Returns:
+      ``[M]`` float32.
+    """
+    if not _use_pallas(backend):
+        return c51_loss(taken, taken_logits(target_params, next_obs, best, network), returns,
+                        discounts, support)
+    from pallas_kernels.q_forward import fused_bootstrap_loss
+
+    return fused_bootstrap_loss(target_params, next_obs, network, support, best, taken, returns,
+                                discounts)
 
 
 def c51_double_q_loss(online_s: Sequence[jax.Array], online_next: Sequence[jax.Array],
@@ -168,4 +200,5 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
     return ret, discounts.astype(rewards.dtype), k
 
 
-__all__ = ["categorical_projection", "c51_loss", "c51_double_q_loss", "n_step_targets"]
+__all__ = ["categorical_projection", "c51_loss", "bootstrap_loss", "c51_double_q_loss",
+           "n_step_targets"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.agent.learner import Learner
-from foxhunt_jax.agent.loss import c51_loss, n_step_targets
+from foxhunt_jax.agent.loss import bootstrap_loss, n_step_targets
 from foxhunt_jax.agent.network import q_forward, taken_logits
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
@@ -189,9 +189,9 @@ def validation_loss(learner: Learner, params, target_params, env_params, traj) -
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
                                "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
-    losses = c51_loss(taken_logits(params, obs, flat(traj["action"]), net, backend),
-                      taken_logits(target_params, next_obs, flat(take(greedy)), net, backend),
-                      flat(returns), flat(discounts), z)
+    losses = bootstrap_loss(target_params, next_obs, flat(take(greedy)),
+                            taken_logits(params, obs, flat(traj["action"]), net, backend),
+                            flat(returns), flat(discounts), net, z, backend)
     weight = flat(traj["alive"]).astype(jnp.float32)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
