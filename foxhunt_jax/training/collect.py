@@ -13,10 +13,12 @@ action and, for most transitions, the greedy action at the bootstrap observation
 network's, instead of three. The whole phase is one jitted call with no host round trip.
 
 With ``network.backend=pallas`` an adapter that provides ``fused`` (the trading env:
-:mod:`foxhunt_jax.training.fused`) replaces the scan by one Pallas kernel over all timesteps,
-fed with the same per-step random draws, so both backends give the same trajectory; that is
-done up to ``fused.MAX_KERNEL_EPISODES`` episodes, above which the scan (with the fused
-Q-forward) is the faster form.
+:mod:`foxhunt_jax.training.fused`) replaces the scan by a Pallas kernel over the timesteps
+(two launches, :func:`rollout_spans`, so that the curiosity pass over the first one's steps
+runs beside the second), fed with the same per-step random draws, so both backends give the
+same trajectory; that is done up to ``fused.MAX_KERNEL_EPISODES`` episodes, above which the
+scan (with the fused Q-forward) is the faster form. On that backend the target forward and the loss of
+the priorities are one kernel too (:func:`~foxhunt_jax.agent.loss.bootstrap_loss`).
 
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
 gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
@@ -35,8 +37,8 @@ import jax.numpy as jnp
 
 from foxhunt_jax.agent import curiosity
 from foxhunt_jax.agent.learner import AgentState, Learner
-from foxhunt_jax.agent.loss import c51_loss, n_step_targets
-from foxhunt_jax.agent.network import act, explore_draws, q_forward, taken_logits
+from foxhunt_jax.agent.loss import bootstrap_loss, n_step_targets
+from foxhunt_jax.agent.network import act, explore_draws, q_forward
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,18 @@ def step_keys(key: jax.Array, num_steps: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.split(key, num_steps))
 
 
+def rollout_spans(learner: Learner, adapter: EnvAdapter, num_episodes: int,
+                  num_steps: int) -> tuple[tuple[int, int], ...]:
+    """The steps of each kernel launch of :func:`trajectory`: those of
+    :func:`foxhunt_jax.training.fused.rollout_spans` where the rollout is a kernel, else the
+    whole window (a scan)."""
+    from foxhunt_jax.training import fused
+
+    if adapter.fused is not None and fused.use_rollout_kernel(learner, num_episodes):
+        return fused.rollout_spans(num_steps)
+    return ((0, num_steps),)
+
+
 def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, rollout: Rollout,
                key: jax.Array, epsilon, num_steps: int):
     """``num_steps`` epsilon-greedy steps of every episode, with auto-reset.
@@ -259,13 +273,19 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
     return jax.lax.scan(body, rollout, keys)
 
 
-def novelty(adapter: EnvAdapter, env_params, rnd, enc) -> jax.Array:
+def novelty(adapter: EnvAdapter, env_params, rnd, enc, spans=None) -> jax.Array:
     """Raw RND prediction error of encoded observations ``enc [L, N, ...]`` -> ``[L, N]``,
-    computed ``PRIORITY_CHUNK`` rows at a time."""
+    computed ``PRIORITY_CHUNK`` rows at a time, and separately for each span of steps
+    ``spans`` (``[start, stop)`` pairs covering ``[0, L)``; default one): with the spans of a
+    rollout's kernel launches (:func:`foxhunt_jax.training.fused.rollout_spans`) the pass over
+    a launch's steps depends on that launch alone."""
     lead = jax.tree.leaves(enc)[0].shape[:2]
-    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), enc)
     err = lambda e: curiosity.prediction_error(rnd, adapter.decode(e, env_params))  # noqa: E731
-    return chunked(err, flat, PRIORITY_CHUNK).reshape(lead)
+    parts = []
+    for start, stop in spans or ((0, lead[0]),):
+        flat = jax.tree.map(lambda x: x[start:stop].reshape((-1,) + x.shape[2:]), enc)
+        parts.append(chunked(err, flat, PRIORITY_CHUNK).reshape((stop - start, lead[1])))
+    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
 def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
@@ -277,7 +297,8 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     extrinsic = traj["reward"]
     raw = bonus = jnp.zeros_like(extrinsic)
     if agent.rnd is not None:  # novelty of each next observation, scaled by stats before this call
-        raw = novelty(adapter, env_params, agent.rnd, traj["next_obs"])
+        raw = novelty(adapter, env_params, agent.rnd, traj["next_obs"],
+                      rollout_spans(learner, adapter, rollout.obs.shape[0], num_steps))
         bonus = curiosity.scale_bonus(agent.rnd, raw)
     t = learner.train_cfg
     returns, discounts, offsets = n_step_targets(extrinsic + bonus, traj["terminated"],
@@ -296,10 +317,9 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     boot = jnp.take_along_axis(greedy, rows[..., None], axis=0)
 
     def loss_of(it):
-        next_obs = adapter.decode(it["next_obs"], env_params)
-        target = taken_logits(agent.target_params, next_obs, it["greedy"], learner.network,
-                              learner.net_cfg.backend)
-        return c51_loss(it["taken"], target, it["reward"], it["discount"], learner.support)
+        return bootstrap_loss(agent.target_params, adapter.decode(it["next_obs"], env_params),
+                              it["greedy"], it["taken"], it["reward"], it["discount"],
+                              learner.network, learner.support, learner.net_cfg.backend)
 
     parts = {"next_obs": items["next_obs"], "reward": items["reward"],
              "discount": items["discount"], "greedy": flat(boot),

@@ -26,6 +26,23 @@ from foxhunt_jax.env import trading
 MAX_KERNEL_EPISODES = 1 << 15
 
 
+def rollout_spans(num_steps: int) -> tuple[tuple[int, int], ...]:
+    """The steps ``[start, stop)`` of each launch of a collection rollout kernel: the first
+    three quarters, then the rest (one launch under 4 steps).
+
+    The second launch continues from the first one's end state with the next steps' draws, so
+    the trajectory is the same. What the split buys: the curiosity pass over the first launch's
+    next observations (:func:`foxhunt_jax.training.collect.novelty`, per span) no longer waits
+    for the whole rollout. It runs beside the second launch, on the multiprocessors a rollout
+    of a few thousand episodes leaves idle, and only the last quarter's pass is left after the
+    rollout (BENCHMARKS.md, session 16).
+    """
+    tail = num_steps // 4
+    if tail < 1:
+        return ((0, num_steps),)
+    return ((0, num_steps - tail), (num_steps - tail, num_steps))
+
+
 def use_rollout_kernel(learner, num_episodes: int) -> bool:
     """Whether a rollout of ``num_episodes`` parallel episodes runs as one kernel: the Pallas
     backend and at most :data:`MAX_KERNEL_EPISODES` episodes."""
@@ -54,8 +71,13 @@ def collect_trajectory(learner, env_params, agent_params, rollout, keys: jax.Arr
     net = learner.network
     draws, reset_bars = rollout_draws(net.branch_sizes, env_params, keys, rollout.obs.shape[0],
                                       epsilon)
-    out, end = fused_rollout(agent_params, net, learner.support, env_params, rollout.env_state,
-                             num_steps, mode="collect", draws=draws, reset_bars=reset_bars)
+    end, parts = rollout.env_state, []
+    for start, stop in rollout_spans(num_steps):
+        part, end = fused_rollout(agent_params, net, learner.support, env_params, end,
+                                  stop - start, mode="collect", draws=draws[start:stop],
+                                  reset_bars=reset_bars[start:stop])
+        parts.append(part)
+    out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
     traj = {"obs": {"bar": out["bar"], "portfolio": portfolio(out)},
             "next_obs": {"bar": out["next_bar"], "portfolio": portfolio(out, "next_portfolio")},
             "action": out["action"], "reward": out["reward"], "terminated": out["terminated"],
@@ -78,5 +100,5 @@ def evaluate_trajectory(learner, agent_params, env_params, starts: jax.Array, nu
                 step=jnp.arange(num_steps, dtype=jnp.int32)[:, None])
 
 
-__all__ = ["collect_trajectory", "evaluate_trajectory", "rollout_draws", "use_rollout_kernel",
-           "MAX_KERNEL_EPISODES"]
+__all__ = ["collect_trajectory", "evaluate_trajectory", "rollout_draws", "rollout_spans",
+           "use_rollout_kernel", "MAX_KERNEL_EPISODES"]
