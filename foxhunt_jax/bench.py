@@ -381,23 +381,12 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
         keys = jax.random.split(jax.random.key(seed), len(net.branch_sizes))
         return jax.numpy.stack([jax.random.randint(k, (n,), 0, nd) for k, nd in
                                 zip(keys, net.branch_sizes)], axis=1)
-    try:
-        def flat(xs):
-            return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in xs], axis=1)
+    def flat(xs):
+        return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in xs], axis=1)
 
-        acts = actions(obs_chk.shape[0], 11)
-        got = flat(fns["pallas"](params, obs_chk, acts))
-        rel = _rel_err(got, flat(fns["xla"](params, obs_chk, acts)))
-        out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
-                                               "dtype": net.dtype, "kind": "taken_logits",
-                                               "logits_rel_err": rel})
-        _time_backends(out, fns, params, inputs, lambda n: actions(n, 12), reps, flops,
-                       net.dtype, "taken_logits", "taken-action logits",
-                       f", rel err vs Flax {rel:.2e}")
-    except Exception as e:
-        out.setdefault("equality", []).append({"kind": "taken_logits",
-                                               "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        print(f"  taken-action logits: FAILED {str(e)[:300]}", flush=True)
+    _check_and_time(out, fns, params, obs_chk, inputs, actions, (11, 12), reps, flops,
+                    net.dtype, "taken_logits", "taken-action logits", flat, "logits_rel_err",
+                    "Flax")
 
 
 def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops: int) -> None:
@@ -459,21 +448,33 @@ def _loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flop
         returns = 5.0 * jax.random.normal(k[-2], (n,))
         discounts = jnp.where(jax.random.uniform(k[-1], (n,)) < 0.2, 0.0, 0.99)
         return best, taken, returns, discounts
+    _check_and_time(out, fns, params, obs_chk, inputs, loss_inputs, (15, 16), reps, flops,
+                    net.dtype, "bootstrap_loss", "target forward + C51 loss",
+                    lambda x: np.asarray(x, np.float64), "loss_rel_err", "XLA")
+
+
+def _check_and_time(out: dict, fns: dict, params, obs_chk, inputs: dict, extra, seeds: tuple,
+                    reps: int, flops: int, dtype: str, kind: str, label: str, to_array,
+                    err_key: str, reference: str) -> None:
+    """Both backends of ``fns`` (``fn(params, obs, extra(n, seed))``) on the fresh check
+    inputs (``seeds[0]``): their largest relative difference (``to_array`` of each result)
+    into ``out["equality"]`` under ``err_key``; then each timed at each N of ``inputs``
+    (:func:`_time_backends`, ``seeds[1]``). A failure is recorded, not raised."""
+    import jax
+
     try:
-        args = loss_inputs(obs_chk.shape[0], 15)
-        got, ref = (np.asarray(jax.device_get(fns[b](params, obs_chk, args)), np.float64)
+        arg = extra(obs_chk.shape[0], seeds[0])
+        got, ref = (to_array(jax.device_get(fns[b](params, obs_chk, arg)))
                     for b in ("pallas", "xla"))
         rel = _rel_err(got, ref)
         out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
-                                               "dtype": net.dtype, "kind": "bootstrap_loss",
-                                               "loss_rel_err": rel})
-        _time_backends(out, fns, params, inputs, lambda n: loss_inputs(n, 16), reps, flops,
-                       net.dtype, "bootstrap_loss", "target forward + C51 loss",
-                       f", rel err vs XLA {rel:.2e}")
+                                               "dtype": dtype, "kind": kind, err_key: rel})
+        _time_backends(out, fns, params, inputs, lambda n: extra(n, seeds[1]), reps, flops,
+                       dtype, kind, label, f", rel err vs {reference} {rel:.2e}")
     except Exception as e:
-        out.setdefault("equality", []).append({"kind": "bootstrap_loss",
+        out.setdefault("equality", []).append({"kind": kind,
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        print(f"  target forward + C51 loss: FAILED {str(e)[:300]}", flush=True)
+        print(f"  {label}: FAILED {str(e)[:300]}", flush=True)
 
 
 def _time_backends(out: dict, fns: dict, params, inputs: dict, extra, reps: int, flops: int,
@@ -1000,9 +1001,14 @@ def roofline(res: dict, args) -> dict:
     # The fewest bytes an env step moves: the feature row gathered (F floats), open/high/low/
     # close/sigma at t and t+1, the episode state read and written (10 x 4 B each way), the
     # transition written (bar + 6 portfolio floats for s and s', 3 actions, reward, extrinsic,
-    # bonus, novelty, 2 flags) and the observation written and read back by the next forward.
+    # bonus, novelty, 2 flags), what the priorities reuse of the step's forward (the greedy
+    # actions and each branch's logits of the action taken) and the observation written and
+    # read back by the next forward.
     f = obs_dim - 6
-    bytes_step = 4 * f + 2 * 5 * 4 + 2 * 10 * 4 + (2 * 28 + 12 + 16 + 2) + 2 * obs_dim * 4
+    nb = len(cfg.env.branch_sizes)
+    reuse = 4 * nb + 4 * nb * cfg.network.atoms
+    bytes_step = (4 * f + 2 * 5 * 4 + 2 * 10 * 4 + (2 * 28 + 12 + 16 + 2) + reuse
+                  + 2 * obs_dim * 4)
     bf16 = dev["gemm"]["bf16"]["tflops"] * 1e12
     f32 = dev["gemm"]["f32_bf16x6"]["tflops"] * 1e12  # network.F32_PRECISION
     bw = dev["copy"]["gb_per_s"] * 1e9
@@ -1010,8 +1016,9 @@ def roofline(res: dict, args) -> dict:
            "gemm_bf16_tflops": bf16 / 1e12, "gemm_f32_tflops": f32 / 1e12,
            "copy_gb_per_s": bw / 1e9}
     for name, rate in (("bf16", bf16), ("f32", f32)):
-        # curiosity stays f32-accurate (curiosity.py says why) whatever the Q precision
-        t = q_flops / rate + rnd_flops / f32
+        # curiosity.precision "auto": three bf16 products per GEMM in a bf16 run, f32-accurate
+        # (bf16 x6) in a float32 one (curiosity.py says why)
+        t = q_flops / rate + rnd_flops / (bf16 / 3 if name == "bf16" else f32)
         out[f"floor_steps_per_s_{name}"] = 1.0 / max(t, bytes_step / bw)
         out[f"floor_steps_per_s_{name}_no_curiosity"] = 1.0 / max(q_flops / rate, bytes_step / bw)
     return out
@@ -1150,7 +1157,8 @@ def tables(res: dict) -> str:
     roof = res.get("roofline", {})
     if roof:
         lines += ["", f"Roofline per env step: Q-forward {roof['q_forward_flops']:,} FLOP, "
-                      f"curiosity {roof['rnd_flops']:,} FLOP (f32), >= {roof['bytes_per_step']} B; "
+                      f"curiosity {roof['rnd_flops']:,} FLOP (bf16 x3 in bf16, else f32), "
+                      f">= {roof['bytes_per_step']} B; "
                       f"floor {roof['floor_steps_per_s_bf16'] / 1e9:.2f}e9 env-steps/s in bf16 "
                       f"({roof['floor_steps_per_s_bf16_no_curiosity'] / 1e9:.2f}e9 without "
                       f"curiosity), {roof['floor_steps_per_s_f32'] / 1e9:.2f}e9 in f32"]
