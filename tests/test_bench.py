@@ -164,9 +164,13 @@ def test_roofline_from_measured_rates():
     h, e = cfg.curiosity.hidden, cfg.curiosity.embed
     rnd = 4 * (d * h + h * h + h * e)
     assert roof["rnd_flops"] == rnd
-    assert roof["floor_steps_per_s_bf16"] == pytest.approx(1 / (q_flops / 500e12 + rnd / 40e12))
+    # a bf16 run multiplies the curiosity pass as three bf16 products (curiosity.precision auto)
+    assert roof["floor_steps_per_s_bf16"] == pytest.approx(
+        1 / (q_flops / 500e12 + 3 * rnd / 500e12))
     assert roof["floor_steps_per_s_bf16_no_curiosity"] == pytest.approx(500e12 / q_flops)
     assert roof["floor_steps_per_s_f32"] == pytest.approx(1 / ((q_flops + rnd) / 40e12))
+    # the bytes include the 4 B greedy action and 11 x 4 B taken logits of each of 3 branches
+    assert roof["bytes_per_step"] == 4 * (d - 6) + 40 + 80 + 86 + 3 * 4 + 3 * 44 + 8 * d
 
 
 def test_argument_parsing_and_cli_entry():
