@@ -1280,7 +1280,9 @@ def run(args, argv=None) -> dict:
         "variants": [list(v) for v in args.variants], "sections": sections,
         "python": sys.version.split()[0],
         # what the programs compiled with: the library's options and the user's flags
-        "xla_options": compiler_options(), "xla_flags": os.environ.get("XLA_FLAGS", "")}}
+        "xla_options": compiler_options(),
+        "xla_options_training": compiler_options(training=True),
+        "xla_flags": os.environ.get("XLA_FLAGS", "")}}
 
     def save():
         if args.json:

@@ -64,6 +64,13 @@ COMMAND_BUFFER_KINDS = ",".join(["FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", 
 # option (jax 0.10's has no ``xla_gpu_enable_pdl_launch``) compiles without it; XLA_FLAGS
 # naming one takes precedence.
 PDL_OPTIONS = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}
+# XLA's dot merger joins GEMMs that share an operand into one and slices the result apart. With
+# it off in every program, the seed epoch's bf16 learner step took 70-73 instead of 77-79 us on
+# an H200 and the epoch 6.30-6.37 instead of 6.59-6.66 ms, while Validation + Experience did
+# not gain (measured through XLA_FLAGS; BENCHMARKS.md, session 16). So only the training
+# program gets it (the XLA rollouts' per-step forwards were not timed without the merged head
+# GEMM). Optional as PDL's options are; XLA_FLAGS naming it takes precedence.
+DOT_MERGER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
 # kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
 # on an H200 (jax 0.11.2, BENCHMARKS.md).
@@ -99,21 +106,23 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
     return where
 
 
-def compiler_options() -> dict:
+def compiler_options(training: bool = False) -> dict:
     """XLA compile options of the trainer's and the benchmark's programs: on a GPU, command
     buffers scheduled as a DAG (``SCHEDULING_OPTION``) that also take while loops and
-    conditionals (``COMMAND_BUFFER_OPTION``) and programmatic dependent launch
-    (``PDL_OPTIONS``), each unless ``XLA_FLAGS`` names it or this XLA rejects it; elsewhere
-    none."""
+    conditionals (``COMMAND_BUFFER_OPTION``), programmatic dependent launch (``PDL_OPTIONS``)
+    and, for the ``training`` program (the learner loop), no merging of GEMMs
+    (``DOT_MERGER_OPTIONS``), each unless ``XLA_FLAGS`` names it or this XLA rejects it;
+    elsewhere none."""
     import jax
 
     if jax.default_backend() not in ("gpu", "cuda"):
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
     wanted = {SCHEDULING_OPTION: "CONCURRENT", COMMAND_BUFFER_OPTION: COMMAND_BUFFER_KINDS,
-              **PDL_OPTIONS}
+              **PDL_OPTIONS, **(DOT_MERGER_OPTIONS if training else {})}
+    optional = {**PDL_OPTIONS, **DOT_MERGER_OPTIONS}
     return {k: v for k, v in wanted.items()
-            if k not in flags and _xla_accepts(((k, v),), quiet=k in PDL_OPTIONS)}
+            if k not in flags and _xla_accepts(((k, v),), quiet=k in optional)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,11 +143,12 @@ def _xla_accepts(options: tuple, quiet: bool = False) -> bool:
         return False
 
 
-def jit(fun, **kwargs):
-    """``jax.jit`` with the library's :func:`compiler_options`."""
+def jit(fun, *, training: bool = False, **kwargs):
+    """``jax.jit`` with the library's :func:`compiler_options` (``training``: those of the
+    training program)."""
     import jax
 
-    return jax.jit(fun, compiler_options=compiler_options() or None, **kwargs)
+    return jax.jit(fun, compiler_options=compiler_options(training) or None, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)

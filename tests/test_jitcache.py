@@ -93,6 +93,10 @@ def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
     assert "xla_gpu_enable_pdl" in pdl
     assert jitcache.compiler_options() == {jitcache.SCHEDULING_OPTION: "CONCURRENT", **loops,
                                            **pdl}
+    # the training program's GEMMs are left unmerged too (likewise optional)
+    assert jitcache.compiler_options(training=True) == {
+        jitcache.SCHEDULING_OPTION: "CONCURRENT", **loops, **pdl,
+        **jitcache.DOT_MERGER_OPTIONS}
     assert "WHILE" in jitcache.COMMAND_BUFFER_KINDS.split(",")
     # the key sees the options: a GPU program compiled without them is another entry
     x = jnp.ones((2, 2))
@@ -102,8 +106,9 @@ def test_gpu_programs_get_dag_scheduled_command_buffers(monkeypatch):
     assert jitcache.cache_key("f", {}, (x,)) != k
     monkeypatch.setenv("XLA_FLAGS", f"--{jitcache.SCHEDULING_OPTION}=SERIALIZE "
                                     f"--{jitcache.COMMAND_BUFFER_OPTION}=FUSION "
-                                    + " ".join(f"--{o}=false" for o in jitcache.PDL_OPTIONS))
-    assert jitcache.compiler_options() == {}
+                                    + " ".join(f"--{o}=false" for o in jitcache.PDL_OPTIONS)
+                                    + " --xla_gpu_dot_merger_threshold_mb=32")
+    assert jitcache.compiler_options() == {} == jitcache.compiler_options(training=True)
 
 
 def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
@@ -120,11 +125,17 @@ def test_an_xla_without_the_option_compiles_without_it(monkeypatch):
 
 def test_jit_passes_the_options_to_every_compile(monkeypatch):
     # an option this XLA does not know proves the options reach the compiler
-    monkeypatch.setattr(jitcache, "compiler_options", lambda: {"foxhunt_no_such_option": 1})
+    monkeypatch.setattr(jitcache, "compiler_options",
+                        lambda training=False: {"foxhunt_no_such_option": 1})
     f = jitcache.jit(lambda x: x * 2)
     with pytest.raises(Exception, match="foxhunt_no_such_option"):
         f.lower(jnp.ones(3)).compile()
-    monkeypatch.setattr(jitcache, "compiler_options", lambda: {})
+    # the training program's options reach its compile too
+    monkeypatch.setattr(jitcache, "compiler_options",
+                        lambda training=False: {"foxhunt_training_option": 1} if training else {})
+    with pytest.raises(Exception, match="foxhunt_training_option"):
+        jitcache.jit(lambda x: x * 2, training=True).lower(jnp.ones(3)).compile()
+    monkeypatch.setattr(jitcache, "compiler_options", lambda training=False: {})
     np.testing.assert_array_equal(jitcache.jit(lambda x: x * 2)(jnp.ones(3)), 2 * np.ones(3))
 
 

@@ -332,7 +332,7 @@ class Trainer:
         exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e, mesh), donate_argnums=1,
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         trn = jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
-                  in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
+                  in_shardings=(rep, sh, rep), out_shardings=(sh, rep), training=True)
         val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
         sched = self._schedule_device()
         programs = {"experience": (exp, (tr, state, sched)),
