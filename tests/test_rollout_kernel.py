@@ -262,3 +262,18 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
             p, net, z, params, s, steps, mode="evaluate", config=_c, interpret=False))
         assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
             lowering_platforms=("cuda",)).as_text()
+
+
+def test_rollout_spans_cover_the_window_in_order():
+    """The collection kernel's launches (fused.rollout_spans): contiguous, from 0 to L, the last
+    a quarter of the steps (rounded down); one launch under 4 steps."""
+    from foxhunt_jax.training.fused import rollout_spans
+
+    for steps in (1, 3, 4, 6, 12, 100, 101):
+        spans = rollout_spans(steps)
+        assert spans[0][0] == 0 and spans[-1][1] == steps
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(start < stop for start, stop in spans)
+        assert len(spans) == (1 if steps < 4 else 2)
+        if len(spans) == 2:
+            assert spans[1][1] - spans[1][0] == steps // 4
