@@ -634,11 +634,9 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
     full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)
     inputs = [x]
     in_specs = [pl.BlockSpec((bm, dp), lambda i: (i, 0))]
-    if greedy:
-        inputs.append(jnp.pad(jnp.asarray(support, jnp.float32), (0, kp - plan.atoms)))
-        in_specs.append(full(inputs[-1]))
-    if select == "loss":
-        inputs.append(jnp.pad(jnp.asarray(loss_args[0], jnp.float32), (0, kp - plan.atoms)))
+    z = support if greedy else loss_args[0] if loss_args is not None else None
+    if z is not None:  # the greedy tail's or the loss's support
+        inputs.append(jnp.pad(jnp.asarray(z, jnp.float32), (0, kp - plan.atoms)))
         in_specs.append(full(inputs[-1]))
     if select:
         inputs.append(_pad2(jnp.asarray(actions if draws is None else draws, jnp.int32), rows,

@@ -223,6 +223,13 @@ def step_keys(key: jax.Array, num_steps: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.split(key, num_steps))
 
 
+def _fused(learner: Learner, adapter: EnvAdapter, num_episodes: int) -> bool:
+    """Whether :func:`trajectory` runs the adapter's kernel rollout instead of the scan."""
+    from foxhunt_jax.training.fused import use_rollout_kernel
+
+    return adapter.fused is not None and use_rollout_kernel(learner, num_episodes)
+
+
 def rollout_spans(learner: Learner, adapter: EnvAdapter, num_episodes: int,
                   num_steps: int) -> tuple[tuple[int, int], ...]:
     """The steps of each kernel launch of :func:`trajectory`: those of
@@ -230,7 +237,7 @@ def rollout_spans(learner: Learner, adapter: EnvAdapter, num_episodes: int,
     whole window (a scan)."""
     from foxhunt_jax.training import fused
 
-    if adapter.fused is not None and fused.use_rollout_kernel(learner, num_episodes):
+    if _fused(learner, adapter, num_episodes):
         return fused.rollout_spans(num_steps)
     return ((0, num_steps),)
 
@@ -245,11 +252,9 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
     and what the initial priorities reuse of each step's forward (:func:`~foxhunt_jax.agent.
     network.act`): ``greedy [L, N, B]`` and ``taken_logits``, per branch ``[L, N, K]``.
     """
-    from foxhunt_jax.training.fused import use_rollout_kernel
-
     keys = step_keys(key, num_steps)
     n = rollout.obs.shape[0]
-    if adapter.fused is not None and use_rollout_kernel(learner, n):
+    if _fused(learner, adapter, n):
         return adapter.fused(learner, env_params, agent_params, rollout, keys, epsilon, num_steps)
     net, support = learner.network, learner.support
     step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
@@ -285,7 +290,7 @@ def novelty(adapter: EnvAdapter, env_params, rnd, enc, spans=None) -> jax.Array:
     for start, stop in spans or ((0, lead[0]),):
         flat = jax.tree.map(lambda x: x[start:stop].reshape((-1,) + x.shape[2:]), enc)
         parts.append(chunked(err, flat, PRIORITY_CHUNK).reshape((stop - start, lead[1])))
-    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    return jnp.concatenate(parts, axis=0)
 
 
 def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
