@@ -379,14 +379,22 @@ def forward_rows(plan: Plan, cd, layout: str, blocks: _Blocks, xs: list, z, on_q
     return actions
 
 
+def add_if_taken(total, logits: jax.Array, action: jax.Array, a: int) -> jax.Array:
+    """One term of the masked sum over a branch's actions: ``total + logits`` on the rows whose
+    ``action [BM]`` is ``a``, ``total`` elsewhere (``None`` starts the sum at action 0).
+    Exactly one action of a row matches, so after the last action the sum is its logits."""
+    hit = jnp.where((action == a)[:, None], logits, 0.0)
+    return hit if total is None else total + hit
+
+
 def pick_logits(logits, action: jax.Array) -> jax.Array:
     """One action's logits per row: grouped ``[BM, n_pad, Kp]`` or, per action, a list of
     ``[BM, Kp]``; ``action [BM]`` int32 -> ``[BM, Kp]``. A masked sum, as
     :func:`foxhunt_jax.agent.network.select_action`: exactly one term is nonzero."""
     if isinstance(logits, list):
-        out = jnp.where((action == 0)[:, None], logits[0], 0.0)
-        for a, lg in enumerate(logits[1:], 1):
-            out = out + jnp.where((action == a)[:, None], lg, 0.0)
+        out = None
+        for a, lg in enumerate(logits):
+            out = add_if_taken(out, lg, action, a)
         return out
     hit = (jax.lax.broadcasted_iota(jnp.int32, (1, logits.shape[1], 1), 1)
            == action[:, None, None])
@@ -474,17 +482,15 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
             d, a = where if isinstance(where, tuple) else (where, None)
             if a is None:
                 target[d] = pick_logits(logits, sel_ref[:, d])
-            else:  # exactly one action of the branch matches, so the others add zeros
-                hit = jnp.where(sel_ref[:, d][:, None] == a, logits, 0.0)
-                target[d] = hit if a == 0 else target[d] + hit
+            else:
+                target[d] = add_if_taken(target.get(d) if a else None, logits, sel_ref[:, d], a)
         elif isinstance(where, tuple):
             d, a = where
             if not select:
                 logit_refs[d][:, a, :] = logits
-            elif a == 0:
-                logit_refs[d][...] = jnp.where(sel_ref[:, d][:, None] == 0, logits, 0.0)
-            else:  # exactly one action of the branch matches, so the others add zeros
-                logit_refs[d][...] += jnp.where(sel_ref[:, d][:, None] == a, logits, 0.0)
+            else:  # the running sum lives in the output block
+                logit_refs[d][...] = add_if_taken(logit_refs[d][...] if a else None, logits,
+                                                  sel_ref[:, d], a)
         elif select:
             logit_refs[where][...] = pick_logits(logits, sel_ref[:, where])
         else:
