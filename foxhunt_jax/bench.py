@@ -356,6 +356,8 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                       flush=True)
             out.setdefault("equality", []).append(chk_row)
         if dtype == "bfloat16" and deadline.ok(30):
+            _curiosity_rows(out, cfg, obs_chk, inputs, reps, args.seed)
+        if dtype == "bfloat16" and deadline.ok(30):
             _logits_rows(out, net, params, obs_chk, inputs, reps, flops)
         if dtype == "bfloat16" and deadline.ok(30):
             _act_rows(out, net, params, z, obs_chk, inputs, reps, flops)
@@ -451,6 +453,29 @@ def _loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flop
     _check_and_time(out, fns, params, obs_chk, inputs, loss_inputs, (15, 16), reps, flops,
                     net.dtype, "bootstrap_loss", "target forward + C51 loss",
                     lambda x: np.asarray(x, np.float64), "loss_rel_err", "XLA")
+
+
+def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int) -> None:
+    """The curiosity pass of a bfloat16 run (``curiosity.prediction_error`` at precision
+    ``bf16x3``) on XLA against the RND kernel, timed at each N (its own FLOPs a row: both
+    networks, one product each); the largest relative difference on the fresh inputs."""
+    import dataclasses as dc
+
+    import jax
+    import numpy as np
+
+    from foxhunt_jax.agent import curiosity
+    from foxhunt_jax.jitcache import jit
+
+    c = dc.replace(cfg.curiosity, precision="bf16x3")
+    d = int(obs_chk.shape[1])
+    rnd = curiosity.init(jax.random.key(seed + 3), d, c)
+    flops = 2 * 2 * (d * c.hidden + c.hidden * c.hidden + c.hidden * c.embed)
+    fns = {b: jit(lambda r, o, _, _b=b: curiosity.prediction_error(r, o, _b))
+           for b in ("xla", "pallas")}
+    _check_and_time(out, fns, rnd, obs_chk, inputs, lambda n, s: None, (17, 18), reps, flops,
+                    "bfloat16", "curiosity", "curiosity pass (bf16 x3)",
+                    lambda x: np.asarray(x, np.float64), "novelty_rel_err", "XLA")
 
 
 def _check_and_time(out: dict, fns: dict, params, obs_chk, inputs: dict, extra, seeds: tuple,
@@ -751,7 +776,8 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
                                            key, epsilon, num_steps)
         if use_rnd and agent.rnd is not None:
             traj = dict(traj, novelty=collect.novelty(adapter, env_params, agent.rnd,
-                                                      traj["next_obs"]))
+                                                      traj["next_obs"],
+                                                      backend=learner.net_cfg.backend))
         return rollout, traj
 
     return run

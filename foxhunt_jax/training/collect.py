@@ -278,14 +278,17 @@ def trajectory(learner: Learner, adapter: EnvAdapter, env_params, agent_params, 
     return jax.lax.scan(body, rollout, keys)
 
 
-def novelty(adapter: EnvAdapter, env_params, rnd, enc, spans=None) -> jax.Array:
+def novelty(adapter: EnvAdapter, env_params, rnd, enc, spans=None,
+            backend: str = "xla") -> jax.Array:
     """Raw RND prediction error of encoded observations ``enc [L, N, ...]`` -> ``[L, N]``,
     computed ``PRIORITY_CHUNK`` rows at a time, and separately for each span of steps
     ``spans`` (``[start, stop)`` pairs covering ``[0, L)``; default one): with the spans of a
     rollout's kernel launches (:func:`foxhunt_jax.training.fused.rollout_spans`) the pass over
-    a launch's steps depends on that launch alone."""
+    a launch's steps depends on that launch alone. ``backend``: the Q-network's
+    (:func:`foxhunt_jax.agent.curiosity.prediction_error`)."""
     lead = jax.tree.leaves(enc)[0].shape[:2]
-    err = lambda e: curiosity.prediction_error(rnd, adapter.decode(e, env_params))  # noqa: E731
+    err = lambda e: curiosity.prediction_error(rnd, adapter.decode(e, env_params),  # noqa: E731
+                                               backend)
     parts = []
     for start, stop in spans or ((0, lead[0]),):
         flat = jax.tree.map(lambda x: x[start:stop].reshape((-1,) + x.shape[2:]), enc)
@@ -303,7 +306,8 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     raw = bonus = jnp.zeros_like(extrinsic)
     if agent.rnd is not None:  # novelty of each next observation, scaled by stats before this call
         raw = novelty(adapter, env_params, agent.rnd, traj["next_obs"],
-                      rollout_spans(learner, adapter, rollout.obs.shape[0], num_steps))
+                      rollout_spans(learner, adapter, rollout.obs.shape[0], num_steps),
+                      learner.net_cfg.backend)
         bonus = curiosity.scale_bonus(agent.rnd, raw)
     t = learner.train_cfg
     returns, discounts, offsets = n_step_targets(extrinsic + bonus, traj["terminated"],

@@ -1,0 +1,120 @@
+"""The curiosity-pass kernel (pallas_kernels/rnd.py) equals the Flax RND networks.
+
+Interpret mode on the CPU, fresh random parameters and observations each run, against a float64
+NumPy forward of both networks and against ``curiosity.prediction_error`` on XLA. The GPU
+(Triton) build is checked by ``foxhunt-jax bench`` (forward section, curiosity rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foxhunt_jax.agent import curiosity
+from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
+from foxhunt_jax.config import CuriosityConfig
+from pallas_kernels import q_forward as qf
+from pallas_kernels import rnd
+
+CFG = CuriosityConfig(hidden=128, embed=32, precision="bf16x3")
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"numpy/jax seed {seed}")  # pytest shows it when the test fails
+    return np.random.default_rng(seed)
+
+
+def _state(rng, dim, cfg=CFG):
+    """Fresh networks with non-zero biases (Flax starts them at zero, which would leave the
+    kernel's bias path untested)."""
+    state = curiosity.init(jax.random.key(int(rng.integers(2**31))), dim, cfg)
+    jitter = lambda p: jax.tree.map(  # noqa: E731
+        lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32), p)
+    return state.replace(target_params=jitter(state.target_params),
+                         predictor_params=jitter(state.predictor_params))
+
+
+def _np_raw(state, x):
+    """float64 squared embedding difference of each row."""
+    def embed(params):
+        p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
+        h = np.maximum(x @ p["hidden_0"]["kernel"] + p["hidden_0"]["bias"], 0)
+        h = np.maximum(h @ p["hidden_1"]["kernel"] + p["hidden_1"]["bias"], 0)
+        return h @ p["out"]["kernel"] + p["out"]["bias"]
+    x = np.asarray(x, np.float64)
+    return np.sum((embed(state.predictor_params) - embed(state.target_params)) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("dim,hidden,embed", [(40, 128, 32), (7, 48, 20), (33, 16, 3)])
+def test_kernel_equals_float64_and_xla(rng, dim, hidden, embed):
+    """Default and odd widths (every width padded): within bf16 x3 rounding of float64 and of
+    XLA's pass, row by row."""
+    cfg = dataclasses.replace(CFG, hidden=hidden, embed=embed)
+    state = _state(rng, dim, cfg)
+    n = F32_PRECISION_MIN_ROWS + int(rng.integers(0, 300))  # not a multiple of the block rows
+    obs = jnp.asarray(2.0 * rng.standard_normal((n, dim)), jnp.float32)
+    got = curiosity.prediction_error(state, obs, "pallas")
+    chex.assert_shape(got, (n,))
+    chex.assert_type(got, jnp.float32)
+    assert curiosity.uses_kernel(cfg, n, "pallas")
+    ref = _np_raw(state, np.asarray(obs))
+    # three bf16 products keep ~16 mantissa bits of each operand: ~1e-5 of the embeddings
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2e-4,
+                               atol=1e-5 * float(np.max(ref)))
+    xla = np.asarray(curiosity.prediction_error(state, obs, "xla"), np.float64)
+    assert np.max(np.abs(np.asarray(got) - xla)) / np.max(np.abs(xla)) < 1e-4
+
+
+def test_split_bf16_keeps_sixteen_bits(rng):
+    x = jnp.asarray(rng.standard_normal((64, 32)) * 10.0 ** rng.integers(-3, 4), jnp.float32)
+    hi, lo = rnd.split_bf16(x)
+    chex.assert_type([hi, lo], jnp.bfloat16)
+    back = np.asarray(hi).astype(np.float64) + np.asarray(lo).astype(np.float64)
+    x = np.asarray(x, np.float64)
+    assert np.max(np.abs(back - x) / np.maximum(np.abs(x), 1e-30)) < 2.0 ** -15
+
+
+@pytest.mark.parametrize("backend,precision,rows,hidden,want", [
+    ("pallas", "bf16x3", F32_PRECISION_MIN_ROWS, 128, True),
+    ("xla", "bf16x3", F32_PRECISION_MIN_ROWS, 128, False),
+    ("pallas", "float32", F32_PRECISION_MIN_ROWS, 128, False),  # bf16 x6: XLA's
+    ("pallas", "bf16x3", F32_PRECISION_MIN_ROWS - 1, 128, False),  # true f32 below the bound
+    ("pallas", "bf16x3", F32_PRECISION_MIN_ROWS, 512, False),  # wider than the kernel takes
+])
+def test_the_kernel_runs_only_where_it_computes_what_xla_would(backend, precision, rows, hidden,
+                                                               want):
+    cfg = dataclasses.replace(CFG, precision=precision, hidden=hidden)
+    assert curiosity.uses_kernel(cfg, rows, backend) is want
+
+
+def test_small_batches_stay_on_xla_in_true_f32(rng):
+    """Below the bound the pallas backend gives XLA's own (true f32) numbers, bit for bit."""
+    state = _state(rng, 12)
+    obs = jnp.asarray(rng.standard_normal((100, 12)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(curiosity.prediction_error(state, obs, "pallas")),
+                                  np.asarray(curiosity.prediction_error(state, obs, "xla")))
+
+
+def test_kernel_lowers_for_cuda_on_this_cpu(monkeypatch):
+    """Pallas -> Triton lowering at the default widths, no GPU needed."""
+    monkeypatch.setattr(qf, "on_cuda", lambda: True)
+    state = curiosity.init(jax.random.key(0), 40, CFG)
+    fn = jax.jit(lambda s, o: curiosity.prediction_error(s, o, "pallas"))
+    text = fn.trace(state, jnp.zeros((2048, 40), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "rnd_prediction_error" in text
+
+
+def test_kernel_rejects_stacked_observations():
+    state = curiosity.init(jax.random.key(0), 5, CFG)
+    with pytest.raises(ValueError, match=r"obs must be \[N, D\]"):
+        rnd.prediction_error(state.target_params, state.predictor_params,
+                             jnp.zeros((2, 3, 5), jnp.float32))
