@@ -10,7 +10,8 @@ activations in registers and writes one float a row, ``||g(s) - f(s)||^2``.
 
 Each operand ``a`` is split as ``hi = bf16(a)``, ``lo = bf16(a - hi)``, and a product ``a @ w``
 is ``hi @ w_hi + hi @ w_lo + lo @ w_hi`` (the ``lo @ w_lo`` term, about 2^-16 of the product,
-is dropped, as XLA's algorithm drops it). The weights are split once outside the kernel.
+is dropped, as XLA's algorithm drops it). The weights are split once a call, outside the kernel
+(:func:`split_bf16_xla`), the activations inside it (:func:`split_bf16`).
 
 Widths are zero-padded: the observation to 16-aligned power-of-two pieces (the smallest GEMM
 block Triton's tensor-core dot takes), hidden and embedding widths to a power of two. Zero
@@ -49,21 +50,38 @@ def supports(hidden: int, embed: int) -> bool:
 
 
 def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x`` float32 -> ``(hi, lo)`` bfloat16 with ``hi + lo`` equal to ``x`` to ~16 bits."""
+    """``x`` float32 -> ``(hi, lo)`` bfloat16 with ``hi + lo`` equal to ``x`` to ~16 bits: ``hi``
+    is ``x`` rounded to nearest (even), ``lo`` the rest, rounded. For use inside the kernel;
+    outside it, in an XLA program, use :func:`split_bf16_xla`."""
     hi = x.astype(jnp.bfloat16)
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def split_bf16_xla(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`split_bf16`, the same bits for finite ``x``, written so that an XLA program keeps
+    it. XLA on a GPU may drop a float32 -> bfloat16 -> float32 round trip
+    (``xla_allow_excess_precision``, on by default), which makes :func:`split_bf16`'s ``lo``
+    zero there (seen on an H200: the kernel's weights then multiplied as one bf16 product,
+    2e-3 off). Here ``hi`` is rounded with integer operations on the bits (to nearest, ties to
+    even), which no float simplification removes."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    odd = (bits >> 16) & jnp.uint32(1)
+    hi = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x7FFF) + odd) & jnp.uint32(0xFFFF0000),
+                                      jnp.float32)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
 def _pack(params: Any, d_pad: int) -> list[jax.Array]:
     """One network's Flax params -> ``[w_hi, w_lo, b]`` per layer, zero-padded: ``w [in_p,
-    out_p]`` bfloat16 halves of the float32 kernel, ``b [out_p]`` float32."""
+    out_p]`` bfloat16 halves of the float32 kernel (:func:`split_bf16_xla`), ``b [out_p]``
+    float32."""
     p = params["params"]
     out, rows = [], d_pad
     for name in _LAYERS:
         w, b = p[name]["kernel"], p[name]["bias"]
         cols = _pow2(w.shape[1])
         w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, rows - w.shape[0]), (0, cols - w.shape[1])))
-        out += [*split_bf16(w), jnp.pad(jnp.asarray(b, jnp.float32), (0, cols - b.shape[0]))]
+        out += [*split_bf16_xla(w), jnp.pad(jnp.asarray(b, jnp.float32), (0, cols - b.shape[0]))]
         rows = cols
     return out
 

@@ -82,6 +82,22 @@ def test_split_bf16_keeps_sixteen_bits(rng):
     assert np.max(np.abs(back - x) / np.maximum(np.abs(x), 1e-30)) < 2.0 ** -15
 
 
+def test_the_xla_split_has_the_same_bits_and_no_float_round_trip(rng):
+    """The weights' split (run by XLA) equals the kernel's (round to nearest even, ties
+    included) bit for bit, and holds no bfloat16 -> float32 conversion, the round trip XLA on
+    a GPU may drop."""
+    x = rng.standard_normal(4096) * 10.0 ** rng.integers(-6, 6, 4096)
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    ties = (bits[:512] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exactly halfway
+    x = jnp.asarray(np.concatenate([bits[512:], ties]).view(np.float32))
+    for got, want in zip(jax.jit(rnd.split_bf16_xla)(x), rnd.split_bf16(x)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                      np.asarray(want).view(np.uint16))
+    text = jax.jit(rnd.split_bf16_xla).lower(x).as_text()
+    assert "bf16>) -> tensor<4096xf32>" not in text
+    assert "bf16>) -> tensor<4096xf32>" in jax.jit(rnd.split_bf16).lower(x).as_text()
+
+
 @pytest.mark.parametrize("backend,precision,rows,hidden,want", [
     ("pallas", "bf16x3", F32_PRECISION_MIN_ROWS, 128, True),
     ("xla", "bf16x3", F32_PRECISION_MIN_ROWS, 128, False),

@@ -224,6 +224,6 @@ def update(state: RNDState, next_obs: jax.Array) -> tuple[RNDState, jax.Array]:
 
 
 __all__ = [
-    "RNDNetwork", "RNDState", "init", "resolve_precision", "uses_kernel", "prediction_error", "scale_bonus",
-    "intrinsic_reward", "update_stats", "update",
+    "RNDNetwork", "RNDState", "init", "resolve_precision", "uses_kernel", "prediction_error",
+    "scale_bonus", "intrinsic_reward", "update_stats", "update",
 ]
