@@ -119,14 +119,28 @@ def test_small_batches_stay_on_xla_in_true_f32(rng):
                                   np.asarray(curiosity.prediction_error(state, obs, "xla")))
 
 
+def test_kernel_under_vmap_equals_xla(rng):
+    """The collector vmaps the pass over data-parallel shards (``collect_shards``)."""
+    state = _state(rng, 11)
+    obs = jnp.asarray(rng.standard_normal((2, F32_PRECISION_MIN_ROWS, 11)), jnp.float32)
+    got = jax.vmap(lambda o: curiosity.prediction_error(state, o, "pallas"))(obs)
+    chex.assert_shape(got, (2, F32_PRECISION_MIN_ROWS))
+    want = jax.vmap(lambda o: curiosity.prediction_error(state, o, "xla"))(obs)
+    assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-4
+
+
 def test_kernel_lowers_for_cuda_on_this_cpu(monkeypatch):
-    """Pallas -> Triton lowering at the default widths, no GPU needed."""
+    """Pallas -> Triton lowering at the default widths, alone and batched over shards, no GPU
+    needed."""
     monkeypatch.setattr(qf, "on_cuda", lambda: True)
     state = curiosity.init(jax.random.key(0), 40, CFG)
     fn = jax.jit(lambda s, o: curiosity.prediction_error(s, o, "pallas"))
     text = fn.trace(state, jnp.zeros((2048, 40), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "rnd_prediction_error" in text
+    sharded = jax.jit(jax.vmap(lambda o: curiosity.prediction_error(state, o, "pallas")))
+    assert "xla.gpu.triton" in sharded.trace(jnp.zeros((2, 2048, 40), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
 
 
 def test_kernel_rejects_stacked_observations():
