@@ -37,7 +37,9 @@ Sections (``--sections``, all by default, run in this order), over the backends 
 
 Prints markdown tables and writes everything to ``--json`` (rewritten after every section, so
 a run cut short keeps what it measured). ``--quick`` shrinks everything for a CPU check;
-``--time-budget`` skips (and lists) work that would start too late.
+``--time-budget`` skips (and lists) work that would start too late. ``--merge A.json B.json``
+measures nothing: it joins the JSONs of runs that split the sections between them (where a
+command's time is limited) into one (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -957,17 +959,24 @@ def rollout_equality(args, market, n: int) -> dict:
     return res
 
 
-def section_train(args, out: dict, deadline: Deadline, market, seed_rows: list) -> None:
-    """Learner throughput: steps/s at the seed batch (from the seed section), samples/s at a big
-    batch (its own trainer; the Q-forward backend does not enter training)."""
-    out["rows"] = []
+def seed_train_rows(seed_rows: list) -> list[dict]:
+    """The learner's steps/s at the seed batch, from the seed section's XLA rows (the
+    Q-forward backend does not enter training)."""
+    rows = []
     for row in seed_rows:
         if "phases" in row and row["backend"] == "xla":
             step = row["train_step_ms"]
-            out["rows"].append({"dtype": row["dtype"], "batch": row["batch_size"],
-                                "step_ms": step, "steps_per_s": 1e3 / step,
-                                "samples_per_s": row["batch_size"] * 1e3 / step,
-                                "source": "seed section"})
+            rows.append({"dtype": row["dtype"], "batch": row["batch_size"], "step_ms": step,
+                         "steps_per_s": 1e3 / step,
+                         "samples_per_s": row["batch_size"] * 1e3 / step,
+                         "source": "seed section"})
+    return rows
+
+
+def section_train(args, out: dict, deadline: Deadline, market, seed_rows: list) -> None:
+    """Learner throughput: steps/s at the seed batch (from the seed section), samples/s at a big
+    batch (its own trainer; the Q-forward backend does not enter training)."""
+    out["rows"] = seed_train_rows(seed_rows)
     for dtype in sorted({d for _, d in args.variants}):
         if not deadline.ok(25):
             out.setdefault("skipped", []).append(f"batch {args.big_batch} {dtype}: time budget")
@@ -1234,6 +1243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=3600.0,
                    help="seconds; work that would start later is skipped and listed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: merge these JSONs of runs that split the sections "
+                        "(each section from the last file with it) into --json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -1278,7 +1290,60 @@ def _command_line(argv) -> str:
     return " ".join(["foxhunt-jax", "bench"] + [shlex.quote(w) for w in words])
 
 
+def merge(parts: list[tuple[str, dict]]) -> dict:
+    """One result from the JSONs of runs that split the sections between them (a device that
+    limits each command's time, say): ``parts`` is ``[(name, result), ...]`` in run order.
+
+    Each section comes from the last part that has it; ``train`` gains the seed-batch rows of a
+    seed section run in another part (:func:`seed_train_rows`); the roofline is recomputed
+    from the merged device and forward sections. ``meta`` is the first part's, with every
+    part's file, commit, date and command under ``meta.parts`` and ``meta.command`` listing the
+    commands; ``meta.commit`` is the parts' commit, or ``"mixed"`` where they differ.
+    """
+    if not parts:
+        raise SystemExit("error: bench --merge needs at least one JSON file")
+    meta = dict(parts[0][1].get("meta", {}))
+    meta["parts"] = [{"file": name, **{k: r.get("meta", {}).get(k)
+                                       for k in ("commit", "date", "command")}}
+                     for name, r in parts]
+    meta["command"] = [p["command"] for p in meta["parts"]]
+    commits = {p["commit"] for p in meta["parts"]}
+    meta["commit"] = commits.pop() if len(commits) == 1 else "mixed"
+    res: dict = {"meta": meta}
+    for name in SECTIONS:
+        for _, r in parts:
+            if name in r:
+                res[name] = r[name]
+    meta["sections"] = [n for n in SECTIONS if n in res]
+    if "train" in res and "seed" in res and not any(
+            row.get("source") == "seed section" for row in res["train"].get("rows", [])):
+        res["train"] = dict(res["train"], rows=seed_train_rows(res["seed"].get("rows", []))
+                            + list(res["train"].get("rows", [])))
+    args = argparse.Namespace(config=meta.get("config") or "seed",
+                              overrides=list(meta.get("overrides") or []))
+    res["roofline"] = roofline(res, args)
+    return res
+
+
+def run_merge(args) -> dict:
+    """``--merge A.json B.json ...``: :func:`merge`, its tables printed, written to ``--json``."""
+    parts = []
+    for f in args.merge:
+        try:
+            parts.append((Path(f).name, json.loads(Path(f).read_text())))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: bench --merge: cannot read {f}: {e}") from None
+    res = merge(parts)
+    print(tables(res), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
 def run(args, argv=None) -> dict:
+    if getattr(args, "merge", None):
+        return run_merge(args)
     _defaults(args)
     if args.child:
         return child_main(args)

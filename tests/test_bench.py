@@ -173,6 +173,47 @@ def test_roofline_from_measured_rates():
     assert roof["bytes_per_step"] == 4 * (d - 6) + 40 + 80 + 86 + 3 * 4 + 3 * 44 + 8 * d
 
 
+def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
+    """Two runs' JSONs (seed + device, then train + forward) make one result: each section
+    once, train's seed-batch rows derived from the other run's seed section, the roofline from
+    the device section of one and the forward section of the other, every command listed."""
+    phase = {"median": 5.0, "p25": 4.0, "p75": 6.0}
+    seed_row = {"backend": "xla", "dtype": "float32", "batch_size": 64, "train_step_ms": 0.08,
+                "compile_ms": 1e4, "phases": {k: phase for k in ("experience", "training",
+                                                                 "validation", "total")}}
+    gemm = {k: {"tflops": t} for k, t in (("bf16", 500.0), ("f32_bf16x6", 40.0),
+                                          ("f32_highest", 30.0), ("f32_default", 200.0))}
+    first = {"meta": {"commit": "abc1234", "date": "2026-12-01", "command": "bench A",
+                      "config": "seed", "overrides": []},
+             "seed": {"config": "seed", "epochs": 20, "warmup": 1,
+                      "rows": [seed_row, dict(seed_row, backend="pallas", dtype="bfloat16")]},
+             "device": {"gemm": gemm, "copy": {"gb_per_s": 3000.0}}}
+    second = {"meta": {"commit": "abc1234", "date": "2026-12-01", "command": "bench B"},
+              "train": {"rows": [{"dtype": "bfloat16", "batch": 4096, "step_ms": 0.2,
+                                  "steps_per_s": 5e3, "samples_per_s": 2.048e7}]},
+              "forward": {"obs_dim": 40, "flops_per_row": 521_000, "rows": []}}
+    files = []
+    for i, r in enumerate((first, second)):
+        files.append(tmp_path / f"part{i}.json")
+        files[-1].write_text(json.dumps(r))
+    out = tmp_path / "merged.json"
+    bench.main(["--merge", *map(str, files), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["meta"]["commit"] == "abc1234"
+    assert res["meta"]["command"] == ["bench A", "bench B"]
+    assert res["meta"]["sections"] == ["seed", "device", "forward", "train"]
+    train = res["train"]["rows"]
+    assert [(r["batch"], r.get("source")) for r in train] == [(64, "seed section"), (4096, None)]
+    assert train[0]["steps_per_s"] == pytest.approx(12_500.0)
+    assert res["roofline"] == bench.roofline({"forward": second["forward"],
+                                              "device": first["device"]}, _args(config="seed"))
+    assert "Seed epoch" in capsys.readouterr().out
+    second["meta"]["commit"] = "def5678"
+    assert bench.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
+    with pytest.raises(SystemExit, match="cannot read"):
+        bench.main(["--merge", str(tmp_path / "missing.json")])
+
+
 def test_argument_parsing_and_cli_entry():
     assert bench.parse_variants("xla:f32,pallas:bf16") == (("xla", "float32"),
                                                            ("pallas", "bfloat16"))
