@@ -358,7 +358,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                       flush=True)
             out.setdefault("equality", []).append(chk_row)
         if dtype == "bfloat16" and deadline.ok(30):
-            _curiosity_rows(out, cfg, obs_chk, inputs, reps, args.seed)
+            _curiosity_rows(out, cfg, obs_chk, inputs, reps, args.seed, args.kernel_configs)
         if dtype == "bfloat16" and deadline.ok(30):
             _logits_rows(out, net, params, obs_chk, inputs, reps, flops)
         if dtype == "bfloat16" and deadline.ok(30):
@@ -457,10 +457,13 @@ def _loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flop
                     lambda x: np.asarray(x, np.float64), "loss_rel_err", "XLA")
 
 
-def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int) -> None:
+def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int,
+                    kernel_configs=()) -> None:
     """The curiosity pass of a bfloat16 run (``curiosity.prediction_error`` at precision
     ``bf16x3``) on XLA against the RND kernel, timed at each N (its own FLOPs a row: both
-    networks, one product each); the largest relative difference on the fresh inputs."""
+    networks, one product each); the largest relative difference on the fresh inputs. Each
+    ``--kernel-configs`` entry's rows, warps and minimum rows are timed as a launch shape of
+    the RND kernel too (``config`` ``rnd:rows:warps:min_rows``)."""
     import dataclasses as dc
 
     import jax
@@ -468,6 +471,8 @@ def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int)
 
     from foxhunt_jax.agent import curiosity
     from foxhunt_jax.jitcache import jit
+    from pallas_kernels import rnd as rnd_kernel
+    from pallas_kernels.q_forward import KernelConfig
 
     c = dc.replace(cfg.curiosity, precision="bf16x3")
     d = int(obs_chk.shape[1])
@@ -478,6 +483,27 @@ def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int)
     _check_and_time(out, fns, rnd, obs_chk, inputs, lambda n, s: None, (17, 18), reps, flops,
                     "bfloat16", "curiosity", "curiosity pass (bf16 x3)",
                     lambda x: np.asarray(x, np.float64), "novelty_rel_err", "XLA")
+    shapes = {KernelConfig(block_rows=kc.block_rows, num_warps=kc.num_warps,
+                           min_rows=kc.min_rows, min_warps=min(kc.num_warps, 4))
+              for kc in kernel_configs} - {rnd_kernel.DEFAULT_CONFIG}
+    for kc in sorted(shapes, key=lambda k: (k.block_rows, k.num_warps, k.min_rows)):
+        name = f"rnd:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
+        f = jit(lambda r, o, _kc=kc: rnd_kernel.prediction_error(
+            r.target_params, r.predictor_params, o, config=_kc))
+        try:
+            rel = _rel_err(np.asarray(f(rnd, obs_chk), np.float64),
+                           np.asarray(fns["xla"](rnd, obs_chk, None), np.float64))
+            for n, obs in inputs.items():
+                ms = time_calls(lambda: f(rnd, obs), reps, warmup=2)
+                out["rows"].append({"n": n, "backend": "pallas", "dtype": "bfloat16",
+                                    "config": name, "novelty_rel_err": rel,
+                                    **_fwd_rates(ms, n, flops)})
+                print(f"  curiosity pass N={n} pallas {name}: {statistics.median(ms):.3f} ms, "
+                      f"rel err vs XLA {rel:.2e}", flush=True)
+        except Exception as e:
+            out.setdefault("equality", []).append({"kind": "curiosity", "config": name,
+                                                   "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            print(f"  curiosity pass {name}: FAILED {str(e)[:300]}", flush=True)
 
 
 def _check_and_time(out: dict, fns: dict, params, obs_chk, inputs: dict, extra, seeds: tuple,
@@ -1235,7 +1261,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-repeats", type=int, default=10, help="timed calls per replay op")
     p.add_argument("--kernel-configs", type=str, default="",
                    help="extra Pallas launch shapes to time, "
-                        "layout:rows:warps[:min_rows[:max_chunk[:lookahead]]],...")
+                        "layout:rows:warps[:min_rows[:max_chunk[:lookahead]]],... (the "
+                        "curiosity kernel: each one's rows, warps and min_rows)")
     p.add_argument("--cmdbuf-variants", type=parse_variants,
                    default=parse_variants("xla:float32,pallas:bfloat16"),
                    help="variants of the command-buffer section (default xla:float32,"

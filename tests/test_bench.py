@@ -78,6 +78,28 @@ def test_forward_section_checks_and_times_the_taken_logits_and_act_forwards():
     assert all(r["n"] == 32 and r["ms"] > 0 for r in out["rows"])
 
 
+def test_forward_section_checks_and_times_the_curiosity_kernel():
+    """The curiosity rows: XLA against the RND kernel (interpreted here) at the default launch
+    shape and at each extra one, with their difference from XLA's novelty."""
+    import jax
+
+    from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
+    from foxhunt_jax.config import load_config
+
+    cfg = load_config("smoke")
+    n = F32_PRECISION_MIN_ROWS  # the kernel runs from here
+    obs = jax.random.normal(jax.random.key(1), (n, 10))
+    out = {"rows": []}
+    extra = bench.parse_kernel_configs("grouped:64:4,grouped:128:8")  # the second is the default
+    bench._curiosity_rows(out, cfg, obs, {n: obs}, 1, 0, extra)
+    [check] = out["equality"]
+    assert check["kind"] == "curiosity" and check["novelty_rel_err"] < 1e-4
+    assert sorted((r["config"], r["backend"]) for r in out["rows"]) == [
+        ("curiosity", "pallas"), ("curiosity", "xla"), ("rnd:64:4:16", "pallas")]
+    assert all(r["ms"] > 0 for r in out["rows"])
+    assert out["rows"][-1]["novelty_rel_err"] < 1e-4
+
+
 class _RecordedTrainer:
     """Replays recorded phase times through the Trainer methods the bench calls."""
 
