@@ -144,3 +144,33 @@ def test_validation_loss_equals_the_learners_loss(tables, episode_length, length
     assert 0 < alive.mean() < 1 or lengths is None  # short windows are masked
     np.testing.assert_allclose(float(got), float(np.sum(np.asarray(ref) * alive) / alive.sum()),
                                rtol=2e-5)
+
+
+def test_novelty_spans_route_each_pass_to_the_curiosity_kernel_or_xla(tables):
+    """``collect.novelty`` under the pallas backend: a span of at least 1,024 rows runs the
+    curiosity kernel, a smaller one XLA's true f32 pass; both give XLA's novelty."""
+    from foxhunt_jax.agent import curiosity
+    from foxhunt_jax.training import fused
+
+    cfg = load_config("smoke", SMALL + ["env.episode_length=4", "curiosity.precision=bf16x3"])
+    params = trading.make_params(tables, cfg.env, "train")
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    agent = init_agent(jax.random.key(seed), learner, trading.obs_dim(params))
+    n, steps = 256, 6
+    key = jax.random.key(seed + 1)
+    rollout = collect.start(TRADING_ADAPTER, params, key, n)
+    _, traj = jax.jit(lambda r, k: collect.trajectory(learner, TRADING_ADAPTER, params,
+                                                      agent.params, r, k, jnp.float32(0.3),
+                                                      steps))(rollout, key)
+    spans = fused.rollout_spans(steps)
+    assert [curiosity.uses_kernel(agent.rnd.cfg, (b - a) * n, "pallas") for a, b in spans] == [
+        True, False]
+    got, want = (jax.jit(lambda e, _b=b: collect.novelty(TRADING_ADAPTER, params, agent.rnd, e,
+                                                         spans, _b))(traj["next_obs"])
+                 for b in ("pallas", "xla"))
+    chex.assert_shape(got, (steps, n))
+    scale = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * scale
+    # the XLA span is XLA's own pass, bit for bit
+    np.testing.assert_array_equal(np.asarray(got[5:]), np.asarray(want[5:]))
