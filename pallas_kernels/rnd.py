@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.q_forward import KernelConfig, block_rows_for, chunks, launch
+from pallas_kernels.q_forward import (_ALIGN, KernelConfig, _next_pow2, _offsets, block_rows_for,
+                                      chunks, launch)
 
 _LAYERS = ("hidden_0", "hidden_1", "out")
 # Widest hidden or embedding width the kernel takes: a [BM, W] float32 accumulator and its two
@@ -41,7 +42,8 @@ DEFAULT_CONFIG = KernelConfig(block_rows=128, num_warps=8)
 
 
 def _pow2(n: int) -> int:
-    return max(16, 1 << max(int(n) - 1, 0).bit_length())
+    """A hidden or embedding width padded: a power of two, at least Triton's smallest dot."""
+    return max(_ALIGN, _next_pow2(n))
 
 
 def supports(hidden: int, embed: int) -> bool:
@@ -97,14 +99,14 @@ def _dot3(xs: list, ws: list) -> jax.Array:
     return acc
 
 
-def _embed(x_pieces: list, pieces: tuple[int, ...], refs) -> jax.Array:
-    """One network's ``[BM, E_p]`` float32 embedding; ``refs`` its nine packed operands."""
-    offsets = [sum(pieces[:i]) for i in range(len(pieces))]
+def _embed(x_pieces: list, spans: list[tuple[int, int]], refs) -> jax.Array:
+    """One network's ``[BM, E_p]`` float32 embedding of the observation's ``(hi, lo)`` pieces
+    (``spans``: their ``(offset, width)``); ``refs`` the network's nine packed operands."""
     xs = x_pieces
     for layer in range(3):
         wh_ref, wl_ref, b_ref = refs[3 * layer:3 * layer + 3]
         if layer == 0:  # the observation arrives in pieces; so do the first weights' rows
-            ws = [(wh_ref[pl.ds(o, c), :], wl_ref[pl.ds(o, c), :]) for o, c in zip(offsets, pieces)]
+            ws = [(wh_ref[pl.ds(o, c), :], wl_ref[pl.ds(o, c), :]) for o, c in spans]
         else:
             ws = [(wh_ref[...], wl_ref[...])]
         y = _dot3(xs, ws) + b_ref[...][None, :]
@@ -116,10 +118,10 @@ def _embed(x_pieces: list, pieces: tuple[int, ...], refs) -> jax.Array:
 def _kernel(pieces: tuple[int, ...], x_ref, *refs):
     """``x_ref [BM, D_p]`` float32, the target's then the predictor's packed operands, then the
     output ``[BM]``: each row's summed squared embedding difference."""
-    offsets = [sum(pieces[:i]) for i in range(len(pieces))]
-    x_pieces = [split_bf16(x_ref[:, pl.ds(o, c)]) for o, c in zip(offsets, pieces)]
-    target = _embed(x_pieces, pieces, refs[:9])
-    predicted = _embed(x_pieces, pieces, refs[9:18])
+    spans = list(zip(_offsets(pieces), pieces))
+    x_pieces = [split_bf16(x_ref[:, pl.ds(o, c)]) for o, c in spans]
+    target = _embed(x_pieces, spans, refs[:9])
+    predicted = _embed(x_pieces, spans, refs[9:18])
     diff = predicted - target
     refs[18][...] = jnp.sum(diff * diff, axis=1)
 

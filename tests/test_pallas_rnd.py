@@ -21,6 +21,7 @@ from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
 from foxhunt_jax.config import CuriosityConfig
 from pallas_kernels import q_forward as qf
 from pallas_kernels import rnd
+from test_curiosity import np_raw  # float64 forward of both RND networks
 
 CFG = CuriosityConfig(hidden=128, embed=32, precision="bf16x3")
 
@@ -42,17 +43,6 @@ def _state(rng, dim, cfg=CFG):
                          predictor_params=jitter(state.predictor_params))
 
 
-def _np_raw(state, x):
-    """float64 squared embedding difference of each row."""
-    def embed(params):
-        p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
-        h = np.maximum(x @ p["hidden_0"]["kernel"] + p["hidden_0"]["bias"], 0)
-        h = np.maximum(h @ p["hidden_1"]["kernel"] + p["hidden_1"]["bias"], 0)
-        return h @ p["out"]["kernel"] + p["out"]["bias"]
-    x = np.asarray(x, np.float64)
-    return np.sum((embed(state.predictor_params) - embed(state.target_params)) ** 2, axis=-1)
-
-
 @pytest.mark.parametrize("dim,hidden,embed", [(40, 128, 32), (7, 48, 20), (33, 16, 3)])
 def test_kernel_equals_float64_and_xla(rng, dim, hidden, embed):
     """Default and odd widths (every width padded): within bf16 x3 rounding of float64 and of
@@ -65,7 +55,7 @@ def test_kernel_equals_float64_and_xla(rng, dim, hidden, embed):
     chex.assert_shape(got, (n,))
     chex.assert_type(got, jnp.float32)
     assert curiosity.uses_kernel(cfg, n, "pallas")
-    ref = _np_raw(state, np.asarray(obs))
+    ref = np_raw(state, np.asarray(obs))
     # three bf16 products keep ~16 mantissa bits of each operand: ~1e-5 of the embeddings
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2e-4,
                                atol=1e-5 * float(np.max(ref)))
