@@ -480,39 +480,30 @@ def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int,
     flops = 2 * 2 * (d * c.hidden + c.hidden * c.hidden + c.hidden * c.embed)
     fns = {b: jit(lambda r, o, _, _b=b: curiosity.prediction_error(r, o, _b))
            for b in ("xla", "pallas")}
+    to_f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     _check_and_time(out, fns, rnd, obs_chk, inputs, lambda n, s: None, (17, 18), reps, flops,
-                    "bfloat16", "curiosity", "curiosity pass (bf16 x3)",
-                    lambda x: np.asarray(x, np.float64), "novelty_rel_err", "XLA")
+                    "bfloat16", "curiosity", "curiosity pass (bf16 x3)", to_f64,
+                    "novelty_rel_err", "XLA")
     shapes = {KernelConfig(block_rows=kc.block_rows, num_warps=kc.num_warps,
                            min_rows=kc.min_rows, min_warps=min(kc.num_warps, 4))
               for kc in kernel_configs} - {rnd_kernel.DEFAULT_CONFIG}
     for kc in sorted(shapes, key=lambda k: (k.block_rows, k.num_warps, k.min_rows)):
         name = f"rnd:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
-        f = jit(lambda r, o, _kc=kc: rnd_kernel.prediction_error(
+        shaped = jit(lambda r, o, _, _kc=kc: rnd_kernel.prediction_error(
             r.target_params, r.predictor_params, o, config=_kc))
-        try:
-            rel = _rel_err(np.asarray(f(rnd, obs_chk), np.float64),
-                           np.asarray(fns["xla"](rnd, obs_chk, None), np.float64))
-            for n, obs in inputs.items():
-                ms = time_calls(lambda: f(rnd, obs), reps, warmup=2)
-                out["rows"].append({"n": n, "backend": "pallas", "dtype": "bfloat16",
-                                    "config": name, "novelty_rel_err": rel,
-                                    **_fwd_rates(ms, n, flops)})
-                print(f"  curiosity pass N={n} pallas {name}: {statistics.median(ms):.3f} ms, "
-                      f"rel err vs XLA {rel:.2e}", flush=True)
-        except Exception as e:
-            out.setdefault("equality", []).append({"kind": "curiosity", "config": name,
-                                                   "error": f"{type(e).__name__}: {str(e)[:400]}"})
-            print(f"  curiosity pass {name}: FAILED {str(e)[:300]}", flush=True)
+        _check_and_time(out, {"pallas": shaped, "xla": fns["xla"]}, rnd, obs_chk, inputs,
+                        lambda n, s: None, (17, 18), reps, flops, "bfloat16", name,
+                        f"curiosity pass {name}", to_f64, "novelty_rel_err", "XLA",
+                        timed=("pallas",))
 
 
 def _check_and_time(out: dict, fns: dict, params, obs_chk, inputs: dict, extra, seeds: tuple,
                     reps: int, flops: int, dtype: str, kind: str, label: str, to_array,
-                    err_key: str, reference: str) -> None:
+                    err_key: str, reference: str, timed: tuple = ("xla", "pallas")) -> None:
     """Both backends of ``fns`` (``fn(params, obs, extra(n, seed))``) on the fresh check
     inputs (``seeds[0]``): their largest relative difference (``to_array`` of each result)
-    into ``out["equality"]`` under ``err_key``; then each timed at each N of ``inputs``
-    (:func:`_time_backends`, ``seeds[1]``). A failure is recorded, not raised."""
+    into ``out["equality"]`` under ``err_key``; then those of ``timed`` timed at each N of
+    ``inputs`` (:func:`_time_backends`, ``seeds[1]``). A failure is recorded, not raised."""
     import jax
 
     try:
@@ -522,8 +513,9 @@ def _check_and_time(out: dict, fns: dict, params, obs_chk, inputs: dict, extra, 
         rel = _rel_err(got, ref)
         out.setdefault("equality", []).append({"n": int(obs_chk.shape[0]), "backend": "pallas",
                                                "dtype": dtype, "kind": kind, err_key: rel})
-        _time_backends(out, fns, params, inputs, lambda n: extra(n, seeds[1]), reps, flops,
-                       dtype, kind, label, f", rel err vs {reference} {rel:.2e}")
+        _time_backends(out, {b: fns[b] for b in timed}, params, inputs,
+                       lambda n: extra(n, seeds[1]), reps, flops, dtype, kind, label,
+                       f", rel err vs {reference} {rel:.2e}")
     except Exception as e:
         out.setdefault("equality", []).append({"kind": kind,
                                                "error": f"{type(e).__name__}: {str(e)[:400]}"})
