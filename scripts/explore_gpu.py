@@ -14,6 +14,13 @@ default was chosen from, each in the same process so ratios are fair:
   that work after the second launch against beside it;
 - ``replayadd``: the Experience phase's replay add (the library's scatter under ``vmap``, the
   scatter without it, a select over the whole ring) at the seed's sizes;
+- ``replaydraw``: a prioritized draw of 64 and 4,096 from 2^20 and 2^22 slots: the library's;
+  the slot inside a block in one pass over the block at every size; the block by a binary
+  search above 2^22 draw-block pairs; both (session 17's draw); sub-blocks of 16 slots; each
+  alone (one call a draw) and 20 draws in one program, with how often each variant's slot
+  differs from the library's;
+- ``rndshape``: collection at N = 2^20 (pallas/bf16, with the curiosity pass) under each launch
+  shape of the curiosity kernel (``--rnd-shapes``, ``rowsxwarps``, each timed twice in turn);
 - ``forward``: the same launch shapes of the Q-forward kernel: greedy actions at N = 2^20, the
   logits at the seed's 102,400 priority rows and at 2^20, and the logits kernel with the greedy
   tail it used to compute;
@@ -72,6 +79,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import re
 import shutil
@@ -92,7 +100,7 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "forward", "fwdloop", "loopform",
+SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "replaydraw", "rndshape", "forward", "fwdloop", "loopform",
             "rnd", "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
             "compileprofile", "rndcompile", "profile", "launch", "overlap")
 
@@ -297,6 +305,91 @@ def section_rollouttail(args, out: dict) -> None:
     library = compiler_options()
     _time_forms(args, out, {k: (fn, library) for k, fn in forms.items()}, s.agent.params,
                 tail_rows=rows)
+
+
+def section_replaydraw(args, out: dict) -> None:
+    """Variants of the prioritized draw (``replay.sample``) by capacity and batch."""
+    from foxhunt_jax.agent import replay
+
+    caps = (1 << 12, 1 << 14) if args.quick else (1 << 20, 1 << 22)
+    batches = (16, 256) if args.quick else (64, 4096)
+    loop = 4 if args.quick else 20
+    example = {"bar": jnp.zeros((2,), jnp.int32), "x": jnp.zeros((16,), jnp.float32)}
+    variants = {  # module constants of replay patched while each variant is traced
+        "library": {},
+        "whole_blocks": {"_WHOLE_BLOCKS_MAX": 1 << 40},
+        "binary_search_over_2^22": {"_COUNT_MAX": 1 << 22},
+        "session17": {"_WHOLE_BLOCKS_MAX": 1 << 40, "_COUNT_MAX": 1 << 22},
+        "sub_block_16": {"_SUB_BLOCK": 16},
+    }
+    out["rows"] = []
+    for cap in caps:
+        state = replay.init(example, cap)
+        raw = jax.random.gamma(jax.random.key(cap), 0.5, (cap,)) ** 0.6
+        state = state.replace(priorities=raw.at[-cap // 64:].set(0.0),
+                              size=jnp.asarray(cap, jnp.int32))
+        keys = jax.random.split(jax.random.key(args.seed), 64)
+        for m in batches:
+            ref = None
+            for name, patch in variants.items():
+                with contextlib.ExitStack() as stack:
+                    for attr, value in patch.items():
+                        stack.enter_context(mock.patch.object(replay, attr, value))
+                    one = jax.jit(lambda st, k, m=m: replay.sample(st, k, m, 0.4)).lower(
+                        state, keys[0]).compile()
+
+                    def many(st, k, m=m):
+                        def body(i, acc):
+                            items, idx, w = replay.sample(st, jax.random.fold_in(k, i), m, 0.4)
+                            return acc + jnp.sum(idx) + jnp.sum(items["x"]) + jnp.sum(w)
+                        return jax.lax.fori_loop(0, loop, body, jnp.zeros((), jnp.float32))
+                    many = jax.jit(many).lower(state, keys[0]).compile()
+                idx = np.concatenate([np.asarray(one(state, k)[1]) for k in keys[:8]])
+                ref = idx if ref is None else ref
+                it = itertools.cycle(list(keys))
+                row = {"capacity": cap, "batch": m, "variant": name,
+                       "differs_from_library": float(np.mean(idx != ref)),
+                       "empty_slot_drawn": bool(np.any(np.asarray(state.priorities)[idx] == 0)),
+                       "call": _timed(lambda: one(state, next(it)), args.reps),
+                       "per_draw_in_loop": _timed(lambda: many(state, next(it)), args.reps)}
+                row["per_draw_in_loop"] = {k: (v / loop if k == "ms" else v)
+                                           for k, v in row["per_draw_in_loop"].items()}
+                out["rows"].append(row)
+                print(f"  C={cap} M={m} {name}: call {row['call']['ms']:.3f} ms, in a loop "
+                      f"{row['per_draw_in_loop']['ms'] * 1e3:.1f} us/draw, differs "
+                      f"{row['differs_from_library']:.1e}, empty {row['empty_slot_drawn']}",
+                      flush=True)
+
+
+def section_rndshape(args, out: dict) -> None:
+    """Collection at ``args.large_n`` episodes with each curiosity-kernel launch shape: the
+    shapes in turn, twice over, each its own program (``rnd.DEFAULT_CONFIG`` patched while it
+    is traced)."""
+    from foxhunt_jax.bench import make_rollout
+    from foxhunt_jax.training.trainer import TRADING_ADAPTER
+    from pallas_kernels import rnd
+    from pallas_kernels.q_forward import KernelConfig
+
+    n = args.large_n
+    s = _setup(args, "pallas", "bfloat16", n)
+    eps = jnp.float32(0.1)
+    runs = {}
+    for rows, warps in args.rnd_shapes:
+        config = KernelConfig(block_rows=rows, num_warps=warps, min_warps=warps)
+        with mock.patch.object(rnd, "DEFAULT_CONFIG", config):
+            runs[f"{rows}x{warps}"] = jax.jit(make_rollout(
+                s.learner, TRADING_ADAPTER, s.env_p, args.length)).lower(
+                s.agent, s.rollout, jax.random.key(0), eps).compile()
+    out["rows"] = []
+    keys = itertools.cycle(jax.random.split(jax.random.key(args.seed + 2), 8))
+    for turn in range(2):
+        for name, run in runs.items():
+            row = {"shape": name, "turn": turn, "n": n,
+                   **_timed(lambda: run(s.agent, s.rollout, next(keys), eps), 3 if n > 4096 else 5)}
+            row["env_steps_per_s"] = n * args.length / (row["ms"] * 1e-3)
+            out["rows"].append(row)
+            print(f"  collect N={n} rnd {name} (turn {turn}): {row['ms']:.2f} ms, "
+                  f"{row['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s", flush=True)
 
 
 def section_forward(args, out: dict) -> None:
@@ -1651,6 +1744,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--large-shapes", default=None, help="rowsxwarps[xchunk],... at N = 2^20")
     ap.add_argument("--forward-shapes", default=None,
                     help="rowsxwarps[xchunk][pK],... of the forward section")
+    ap.add_argument("--rnd-shapes", default=None,
+                    help="rowsxwarps,... of the curiosity kernel for rndshape")
     ap.add_argument("--compare-rollout", default=None,
                     help="files of other rollout kernel versions (comma-separated), each timed "
                          "at the first shape")
@@ -1707,6 +1802,8 @@ def main(argv=None) -> dict:
                                 or ("16x4" if q else "128x8,64x4,64x8,128x4,256x8"))
     args.forward_shapes = _shapes(args.forward_shapes or (
         "16x4,16x4p1" if q else "128x8,128x8x128,128x8x128p1,128x8x128p2,128x8p1"))
+    args.rnd_shapes = [tuple(int(x) for x in t.split("x")) for t in
+                       (args.rnd_shapes or ("16x4,32x4" if q else "128x8,64x4")).split(",")]
     args.prio_rows = 48 if q else 102_400
     args.batch_rows = 16 if q else 64
     args.launch_leaves = (1, 16) if q else (1, 16, 64, 128, 256)

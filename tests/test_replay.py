@@ -147,11 +147,18 @@ def test_ring_wraparound_matches_numpy(seed):
         np.testing.assert_allclose(float(state.max_priority), ref.max_q, rtol=2e-6)
 
 
-def test_locate_matches_float64_inverse_cdf():
-    """Two-level search vs exact float64 inverse CDF of both levels at C = 2^16."""
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("whole_blocks_max", [0, 1 << 40])
+def test_locate_matches_float64_inverse_cdf(monkeypatch, whole_blocks_max):
+    """Two-level search vs exact float64 inverse CDF of both levels at C = 2^16, with the slot
+    inside a block found in sub-blocks (max 0) and in one pass over the block (max 2^40)."""
+    monkeypatch.setattr(replay, "_WHOLE_BLOCKS_MAX", whole_blocks_max)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     cap = 1 << 16
     q = (rng.gamma(0.5, 1.0, cap) ** ALPHA).astype(np.float32)
+    q[rng.random(cap) < 0.3] = 0  # empty slots inside blocks
+    starts = rng.integers(0, cap - 64, 200)
+    for a in starts:  # runs of empty slots: empty sub-blocks (and some empty blocks)
+        q[a: a + int(rng.integers(32, 600))] = 0
     q[-1000:] = 0  # empty tail slots
     s = replay.block_size(cap)
     blocks = q.astype(np.float64).reshape(-1, s)

@@ -198,8 +198,9 @@ def _block_masses(priorities: jax.Array) -> tuple[jax.Array, jax.Array]:
     return blocks, jnp.sum(blocks, axis=1)
 
 
-# Largest [M, C/S] comparison _count_at_or_below makes at once on a GPU (4 MB of booleans).
-_COUNT_MAX = 1 << 22
+# Largest [M, C/S] comparison _count_at_or_below makes at once on a GPU: 4,096 draws over 4,096
+# blocks took 56 against 95 us by binary search on an H200 (BENCHMARKS.md, session 18).
+_COUNT_MAX = 1 << 24
 
 
 def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int | None = None) -> jax.Array:
@@ -223,6 +224,42 @@ def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int | None = Non
     return jnp.searchsorted(cum, u, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
+def _pick(cum: jax.Array, walk: jax.Array) -> jax.Array:
+    """The entry of each row of ``cum [M, k]`` (non-decreasing) whose interval holds
+    ``walk [M]``: ``searchsorted(side="right")`` as ``[M] int32``, never an entry of zero mass."""
+    j = jnp.sum(cum <= walk[:, None], axis=1, dtype=jnp.int32)
+    return jnp.minimum(j, _last_positive(cum))
+
+
+# Largest M x S gather of whole blocks the slot search makes; above it a block is searched in
+# sub-blocks of _SUB_BLOCK slots. On an H200 that took a draw of 4,096 from 2^22 slots from
+# 112 to 56-63 us, while at M = 64 whole blocks were 5-10 us faster (BENCHMARKS.md, session 18).
+_WHOLE_BLOCKS_MAX = 1 << 18
+_SUB_BLOCK = 32
+
+
+def _slot_in_block(blocks: jax.Array, b: jax.Array, v: jax.Array) -> jax.Array:
+    """``[M] int32``: the slot inside block ``b [M]`` of ``blocks [C/S, S]`` at fraction
+    ``v [M]`` of the block's mass (inverse CDF of the block's own cumulative sum).
+
+    Small ``M * S``: one ``[M, S]`` cumulative sum. Larger: the sub-block of ``T`` slots by the
+    block's cumulative sub-block masses, then the slot inside it (the same slot in exact
+    arithmetic; M rows of ``S/T + T`` entries instead of ``S``).
+    """
+    nb, s = blocks.shape
+    m = b.shape[0]
+    if m * s <= _WHOLE_BLOCKS_MAX or s <= _SUB_BLOCK:
+        local = jnp.cumsum(blocks[b], axis=1)  # [M, S]
+        return _pick(local, v * local[:, -1])
+    t, per = _SUB_BLOCK, s // _SUB_BLOCK
+    sub_cum = jnp.cumsum(jnp.sum(blocks.reshape(nb, per, t), axis=2)[b], axis=1)  # [M, S/T]
+    walk = v * sub_cum[:, -1]
+    c = _pick(sub_cum, walk)
+    before = jnp.take_along_axis(sub_cum, jnp.maximum(c - 1, 0)[:, None], axis=1)[:, 0]
+    local = jnp.cumsum(blocks.reshape(nb * per, t)[b * per + c], axis=1)  # [M, T]
+    return c * t + _pick(local, walk - jnp.where(c > 0, before, 0.0))
+
+
 def _locate(blocks: jax.Array, cum: jax.Array, u: jax.Array, v: jax.Array) -> jax.Array:
     """Two-level inverse CDF.
 
@@ -230,13 +267,8 @@ def _locate(blocks: jax.Array, cum: jax.Array, u: jax.Array, v: jax.Array) -> ja
     ``[0, cum[-1])`` picks the block, ``v [M]`` in ``[0, 1)`` the slot inside it (as a fraction of
     the block's mass). Returns ``[M] int32`` slot indices.
     """
-    s = blocks.shape[1]
     b = jnp.minimum(_count_at_or_below(cum, u), _last_positive(cum))
-    local = jnp.cumsum(blocks[b], axis=1)  # [M, S]
-    walk = v * local[:, -1]
-    j = jnp.sum(local <= walk[:, None], axis=1).astype(jnp.int32)  # searchsorted, side="right"
-    j = jnp.minimum(j, _last_positive(local))
-    return b * s + j
+    return b * blocks.shape[1] + _slot_in_block(blocks, b, v)
 
 
 def locate(priorities: jax.Array, u: jax.Array, v: jax.Array) -> jax.Array:
