@@ -352,8 +352,9 @@ def section_replaydraw(args, out: dict) -> None:
                        "empty_slot_drawn": bool(np.any(np.asarray(state.priorities)[idx] == 0)),
                        "call": _timed(lambda: one(state, next(it)), args.reps),
                        "per_draw_in_loop": _timed(lambda: many(state, next(it)), args.reps)}
-                row["per_draw_in_loop"] = {k: (v / loop if k == "ms" else v)
-                                           for k, v in row["per_draw_in_loop"].items()}
+                loop_ms = row["per_draw_in_loop"]  # a call of `loop` draws -> per draw
+                row["per_draw_in_loop"] = {"ms": loop_ms["ms"] / loop, "spread": {
+                    k: (v if k == "n" else v / loop) for k, v in loop_ms["spread"].items()}}
                 out["rows"].append(row)
                 print(f"  C={cap} M={m} {name}: call {row['call']['ms']:.3f} ms, in a loop "
                       f"{row['per_draw_in_loop']['ms'] * 1e3:.1f} us/draw, differs "

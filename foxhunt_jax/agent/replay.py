@@ -15,7 +15,7 @@ spacing is 0.5, about the mass of one slot, so slot boundaries would be off by w
 two levels a rounding error is relative to a block's mass instead (at most 4096 blocks, so about
 5e-4 of a block's probability per float32 spacing, and far less inside a block). The cost is one
 pass over the ``C`` priorities per sample (a GPU does 2**22 in microseconds) plus ``M`` rows of
-``S`` slots.
+``S`` slots, or for large ``M * S`` of ``S / 32`` sub-block masses and 32 slots.
 
 Shapes: ``C`` capacity, ``n`` items added at once, ``M`` sampled batch, ``S`` block size.
 """
