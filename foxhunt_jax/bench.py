@@ -53,7 +53,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -1366,20 +1365,28 @@ def run(args, argv=None) -> dict:
     _defaults(args)
     if args.child:
         return child_main(args)
+    from foxhunt_jax.jitcache import compilation_cache_in
+
+    # In-process compiles start from a fresh persistent cache that only this run writes (the
+    # compile section's children use cache folders of their own); the caller's cache settings
+    # come back afterwards (a test process keeps its own folder).
+    with tempfile.TemporaryDirectory(prefix="foxhunt-bench-main-") as tmp_cache, \
+            compilation_cache_in(tmp_cache):
+        return _run_sections(args, argv)
+
+
+def _run_sections(args, argv) -> dict:
+    """Every asked section in this process, in :data:`SECTIONS`' order; the JSON saved after
+    each."""
     import jax
 
     from foxhunt_jax.data.loader import load_market
-    from foxhunt_jax.jitcache import enable_compilation_cache
 
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         raise SystemExit(f"error: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
     deadline = Deadline(args.time_budget)
-    # In-process compiles start from a fresh persistent cache that only this run writes (the
-    # compile section's children use cache folders of their own).
-    tmp_cache = tempfile.mkdtemp(prefix="foxhunt-bench-main-")
-    enable_compilation_cache(tmp_cache)
     d = jax.devices()[0]
     res: dict = {"meta": {
         "date": datetime.date.today().isoformat(), "commit": git_commit(),
@@ -1436,7 +1443,6 @@ def run(args, argv=None) -> dict:
         save()
     print(tables(res), flush=True)
     save()
-    shutil.rmtree(tmp_cache, ignore_errors=True)
     return res
 
 

@@ -28,6 +28,7 @@ compiles.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -93,17 +94,50 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
     if where.lower() == "off":
         _executables = None
         return None
-    import jax
-
     Path(where).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
+    _set_jax_cache({"jax_compilation_cache_dir": where,
+                    "jax_persistent_cache_min_compile_time_secs": 0.5,
+                    "jax_persistent_cache_min_entry_size_bytes": 0,
+                    "jax_persistent_cache_enable_xla_caches": XLA_CACHES})
     if os.environ.get("FOXHUNT_JAX_EXECUTABLE_CACHE", "").lower() == "off":
         executables = False
     _executables = Path(where) / "executables" if executables else None
     return where
+
+
+_JAX_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                       "jax_persistent_cache_min_entry_size_bytes",
+                       "jax_persistent_cache_enable_xla_caches")
+
+
+def _set_jax_cache(settings: dict) -> None:
+    """Applies JAX's persistent-cache settings. JAX opens its cache folder once per process,
+    at the first compile, so a new folder also resets that (otherwise compiles keep going to
+    the old one, deleted or not)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    moved = settings["jax_compilation_cache_dir"] != jax.config.jax_compilation_cache_dir
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    if moved:
+        compilation_cache.reset_cache()
+
+
+@contextlib.contextmanager
+def compilation_cache_in(path: str):
+    """Both caches in ``path`` (:func:`enable_compilation_cache`) inside the block; the
+    process's earlier settings (folder, thresholds, executable cache) after it."""
+    import jax
+
+    global _executables
+    saved = {name: getattr(jax.config, name) for name in _JAX_CACHE_SETTINGS}, _executables
+    enable_compilation_cache(path)
+    try:
+        yield path
+    finally:
+        _set_jax_cache(saved[0])
+        _executables = saved[1]
 
 
 def compiler_options(training: bool = False) -> dict:

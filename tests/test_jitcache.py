@@ -148,6 +148,24 @@ def test_only_the_autotuning_cache_rides_with_the_persistent_cache(tmp_path, mon
     assert updates["jax_persistent_cache_enable_xla_caches"] == jitcache.XLA_CACHES
 
 
+def test_a_temporary_cache_takes_the_compiles_and_gives_the_settings_back(tmp_path):
+    """compilation_cache_in (the benchmark's fresh cache): compiles inside the block go to its
+    folder even after JAX opened another one, and the process's settings come back after it,
+    so nothing later writes into a folder that is gone."""
+    saved = {n: getattr(jax.config, n) for n in jitcache._JAX_CACHE_SETTINGS}
+    saved_exe = jitcache._executables
+    for i in range(2):
+        where = tmp_path / f"cache{i}"
+        with jitcache.compilation_cache_in(str(where)):
+            assert jitcache._executables == where / "executables"
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.jit(lambda x, i=i: jnp.cos(x) * (i + 2.5) + x).lower(
+                jnp.ones(11 + i)).compile()
+        assert [p for p in where.iterdir() if p.is_file()], f"nothing written to {where}"
+        assert {n: getattr(jax.config, n) for n in jitcache._JAX_CACHE_SETTINGS} == saved
+        assert jitcache._executables == saved_exe
+
+
 def test_a_damaged_entry_is_compiled_again_and_replaced(exe_dir):
     x, y = jnp.arange(12.0).reshape(4, 3), jnp.ones((3, 2))
     c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
