@@ -137,8 +137,9 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 # Registry and entry point
 
 def _args_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default="default",
-                   help="YAML config: a path or a name in configs/ (default: default)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML config: a path or a name in configs/ (default: default; with "
+                        "--resume, the run's own DIR/config.yaml)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                    help="dotted override, e.g. --set train.epochs=5 (repeatable)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
@@ -183,8 +184,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
-    cfg = load_config(args.config, overrides)
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config or "default").stem
+    config = args.config
+    if config is None:  # a resumed run continues with the config it was started with
+        saved = out / "config.yaml"
+        config = str(saved) if args.resume and saved.is_file() else "default"
+    cfg = load_config(config, overrides)
     if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
     api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)

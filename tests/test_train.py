@@ -89,7 +89,12 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     done_before = len(read_metrics(killed))
     assert 4 <= done_before < 12
 
-    resumed = cli("train", *args, "--out", str(killed), "--resume")
+    # another config than the run's is refused, with one line, before anything is written
+    other = cli("train", *args, "--set", "train.batch_size=16", "--out", str(killed), "--resume")
+    assert other.returncode == 2 and "only train.epochs may change" in other.stderr
+    assert len(read_metrics(killed)) == done_before
+    # without --config the run continues with its own DIR/config.yaml
+    resumed = cli("train", "--no-progress", "--out", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from epoch" in resumed.stdout
     a, b = read_metrics(tmp_path / "full"), read_metrics(killed)
