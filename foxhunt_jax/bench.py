@@ -779,7 +779,9 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
     :func:`foxhunt_jax.training.collect.trajectory` (Q-forward with the learner's backend,
     per-branch epsilon-greedy, env step, auto-reset, the per-step transitions written out; one
     fused kernel with ``backend=pallas``) followed by the curiosity pass over the next
-    observations (:func:`~foxhunt_jax.training.collect.novelty`). Not included: n-step targets,
+    observations as the collector runs it (:func:`~foxhunt_jax.training.collect.
+    trajectory_novelty`: per kernel launch, so the first launch's pass can run beside the
+    second). Not included: n-step targets,
     initial priorities and the replay write. ``use_rnd=False`` skips curiosity; ``use_q=False``
     times the env's own random-action rollout (:func:`foxhunt_jax.env.trading.rollout`: env
     step, random actions, auto-reset; no forward, no transitions kept).
@@ -794,9 +796,8 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
         rollout, traj = collect.trajectory(learner, adapter, env_params, agent.params, rollout,
                                            key, epsilon, num_steps)
         if use_rnd and agent.rnd is not None:
-            traj = dict(traj, novelty=collect.novelty(adapter, env_params, agent.rnd,
-                                                      traj["next_obs"],
-                                                      backend=learner.net_cfg.backend))
+            traj = dict(traj, novelty=collect.trajectory_novelty(learner, adapter, env_params,
+                                                                 agent.rnd, traj["next_obs"]))
         return rollout, traj
 
     return run

@@ -100,9 +100,10 @@ import optax
 from foxhunt_jax.bench import _build_trainer, _variant_cfg, git_commit, spread, time_calls
 from foxhunt_jax.jitcache import compiler_options
 
-SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "replaydraw", "rndshape", "forward", "fwdloop", "loopform",
-            "rnd", "learner", "compilecache", "compileopts", "compilesweep", "kernelcompile",
-            "compileprofile", "rndcompile", "profile", "launch", "overlap")
+SECTIONS = ("rollout", "rolloutpair", "rollouttail", "replayadd", "replaydraw", "rndshape",
+            "forward", "fwdloop", "loopform", "rnd", "learner", "compilecache", "compileopts",
+            "compilesweep", "kernelcompile", "compileprofile", "rndcompile", "profile", "launch",
+            "overlap")
 
 
 def _trainer(args, backend: str, dtype: str, extra: tuple = ()):
@@ -385,8 +386,9 @@ def section_rndshape(args, out: dict) -> None:
     keys = itertools.cycle(jax.random.split(jax.random.key(args.seed + 2), 8))
     for turn in range(2):
         for name, run in runs.items():
+            reps = 3 if n > 4096 else 5
             row = {"shape": name, "turn": turn, "n": n,
-                   **_timed(lambda: run(s.agent, s.rollout, next(keys), eps), 3 if n > 4096 else 5)}
+                   **_timed(lambda: run(s.agent, s.rollout, next(keys), eps), reps)}
             row["env_steps_per_s"] = n * args.length / (row["ms"] * 1e-3)
             out["rows"].append(row)
             print(f"  collect N={n} rnd {name} (turn {turn}): {row['ms']:.2f} ms, "

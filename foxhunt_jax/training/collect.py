@@ -17,8 +17,8 @@ With ``network.backend=pallas`` an adapter that provides ``fused`` (the trading 
 (two launches, :func:`rollout_spans`, so that the curiosity pass over the first one's steps
 runs beside the second), fed with the same per-step random draws, so both backends give the
 same trajectory; that is done up to ``fused.MAX_KERNEL_EPISODES`` episodes, above which the
-scan (with the fused Q-forward) is the faster form. On that backend the target forward and the loss of
-the priorities are one kernel too (:func:`~foxhunt_jax.agent.loss.bootstrap_loss`).
+scan (with the fused Q-forward) is the faster form. On that backend the target forward and
+the loss of the priorities are one kernel too (:func:`~foxhunt_jax.agent.loss.bootstrap_loss`).
 
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
 gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
@@ -296,6 +296,16 @@ def novelty(adapter: EnvAdapter, env_params, rnd, enc, spans=None,
     return jnp.concatenate(parts, axis=0)
 
 
+def trajectory_novelty(learner: Learner, adapter: EnvAdapter, env_params, rnd,
+                       next_obs) -> jax.Array:
+    """The raw novelty of a :func:`trajectory`'s next observations ``[L, N, ...]`` -> ``[L, N]``
+    as the collector computes it: :func:`novelty` per kernel launch (:func:`rollout_spans`),
+    on the Q-network's backend."""
+    steps, n = jax.tree.leaves(next_obs)[0].shape[:2]
+    return novelty(adapter, env_params, rnd, next_obs,
+                   rollout_spans(learner, adapter, n, steps), learner.net_cfg.backend)
+
+
 def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentState,
              rollout: Rollout, key: jax.Array, epsilon, num_steps: int):
     """:func:`collect` with the raw novelty ``[L*N]`` returned instead of the updated RND state."""
@@ -305,9 +315,7 @@ def _collect(learner: Learner, adapter: EnvAdapter, env_params, agent: AgentStat
     extrinsic = traj["reward"]
     raw = bonus = jnp.zeros_like(extrinsic)
     if agent.rnd is not None:  # novelty of each next observation, scaled by stats before this call
-        raw = novelty(adapter, env_params, agent.rnd, traj["next_obs"],
-                      rollout_spans(learner, adapter, rollout.obs.shape[0], num_steps),
-                      learner.net_cfg.backend)
+        raw = trajectory_novelty(learner, adapter, env_params, agent.rnd, traj["next_obs"])
         bonus = curiosity.scale_bonus(agent.rnd, raw)
     t = learner.train_cfg
     returns, discounts, offsets = n_step_targets(extrinsic + bonus, traj["terminated"],
