@@ -1,4 +1,4 @@
-"""Data parallelism over devices and hosts (DESIGN 3.13): one code path for 1 to n devices.
+"""Data parallelism over devices and hosts: one code path for 1 to n devices.
 
 The training state carries a fixed number of *shards* ``S`` (``train.shards``): the rollout holds
 ``[S, N/S, ...]`` episodes, the replay buffer ``[S, C/S, ...]`` slots (each shard its own ring
@@ -116,7 +116,7 @@ def local_view(tree: Any, device: jax.Device) -> Any:
 
     def get(x):
         # an array that lives on ``device`` alone (a one-device mesh) is its own copy; this check
-        # is cheap, while walking addressable_shards costs ~10 us of Python per leaf
+        # is cheap, while walking addressable_shards costs Python work per leaf
         if x.sharding.device_set == {device}:
             return x
         for shard in x.addressable_shards:
