@@ -23,6 +23,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # Seeds the PRNGs take alike: jax.random.key gives the same key with and without x64 only for
 # 0 .. 2**32 - 1 (it wraps or refuses others), and NumPy's default_rng refuses negative seeds.
 SEED_RANGE = (0, 2**32 - 1)
+INT_LIMIT = 2**31 - 1  # every other integer key reaches the jitted programs as an int32
 
 
 @dataclass(frozen=True)
@@ -294,28 +295,29 @@ def _check(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' {rule}, got {value!r}")
 
 
-def _float_values(node: Any, key: str):
-    """(dotted key, value) of every float field under the dataclass ``node``, tuples included."""
+def _values_of(node: Any, kind: type, key: str = ""):
+    """(dotted key, value) of every field of type ``kind`` under the dataclass ``node``, the
+    items of tuples included."""
     hints = typing.get_type_hints(type(node))
     for f in dataclasses.fields(node):
         value, tp, name = getattr(node, f.name), hints[f.name], f"{key}{f.name}"
         if dataclasses.is_dataclass(value):
-            yield from _float_values(value, name + ".")
-        elif tp is float:
+            yield from _values_of(value, kind, name + ".")
+        elif tp is kind:
             yield name, value
-        elif typing.get_origin(tp) is tuple and float in typing.get_args(tp):
-            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+        elif typing.get_origin(tp) is tuple and kind in typing.get_args(tp):
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if type(v) is kind)
 
 
 def validate(cfg: Config) -> Config:
     """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
-    for key, value in _float_values(cfg, ""):
+    for key, value in _values_of(cfg, float):
         _check(math.isfinite(value), key, "must be a finite number", value)
-    seeds = (("train.seed", cfg.train.seed), ("data.synthetic.seed", cfg.data.synthetic.seed))
-    for key, seed in seeds:
-        _check(SEED_RANGE[0] <= seed <= SEED_RANGE[1], key,
-               f"must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]} (the PRNG's seed range)",
-               seed)
+    seeds = ("train.seed", "data.synthetic.seed")
+    for key, value in _values_of(cfg, int):
+        low, high = SEED_RANGE if key in seeds else (-INT_LIMIT, INT_LIMIT)
+        what = "the PRNG's seed range" if key in seeds else "a 32-bit integer, as programs hold it"
+        _check(low <= value <= high, key, f"must be an integer in {low}..{high} ({what})", value)
     d, e, n, r, c, t = cfg.data, cfg.env, cfg.network, cfg.replay, cfg.curiosity, cfg.train
     _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
     _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",

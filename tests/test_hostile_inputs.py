@@ -142,8 +142,9 @@ def test_directory_refused(tmp_path, capsys):
 
 
 def test_synthetic_too_large_for_memory_refused_before_allocating(capsys):
-    # 4 x 10^12 bars need petabytes: refused from the estimate, nothing generated
-    line = one_error_line(capsys, ["data", "check", "builtin:synthetic?bars=1000000000000"],
+    # 10^12 bars need hundreds of terabytes: refused from the estimate, nothing generated
+    line = one_error_line(capsys, ["data", "check",
+                                   "builtin:synthetic?instruments=1000000&bars=1000000"],
                           "builtin:synthetic", "memory", "data.synthetic.bars",
                           "data.synthetic.instruments")
     assert "GiB" in line
@@ -261,40 +262,59 @@ def test_synthetic_random_walk_beyond_the_bound_names_its_keys(capsys):
 # Config values
 
 
-def _float_keys(cls=Config, prefix=""):
-    """Dotted names (with an index for tuples) of every float value of the default config."""
+def _keys_of(kind, cls=Config, prefix=""):
+    """(dotted name, None) of every ``kind`` key of the default config, and (name, length) of
+    every non-empty tuple of them."""
     hints = typing.get_type_hints(cls)
     default = cls()
     for f in dataclasses.fields(cls):
         tp, name = hints[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
-            yield from _float_keys(tp, name + ".")
-        elif tp is float:
+            yield from _keys_of(kind, tp, name + ".")
+        elif tp is kind:
             yield name, None
-        elif typing.get_origin(tp) is tuple and float in typing.get_args(tp):
+        elif typing.get_origin(tp) is tuple and kind in typing.get_args(tp):
             values = getattr(default, f.name)
             if values:
                 yield name, len(values)
 
 
-FLOAT_KEYS = list(_float_keys())
+def _override(key, length, good, bad):
+    """``key=bad`` for a scalar key; the tuple of ``length`` with its last item bad otherwise;
+    and the key the error names."""
+    if length is None:
+        return f"{key}={bad}", key
+    return f"{key}=[{', '.join([good] * (length - 1) + [bad])}]", f"{key}[{length - 1}]"
+
+
+FLOAT_KEYS = list(_keys_of(float))
+INT_KEYS = [(k, n) for k, n in _keys_of(int) if k not in ("train.seed", "data.synthetic.seed")]
 
 
 @pytest.mark.parametrize("key, length", FLOAT_KEYS, ids=[k for k, _ in FLOAT_KEYS])
 @pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan"])
 def test_every_float_key_must_be_finite(key, length, bad):
-    value = bad if length is None else "[" + ", ".join(["0.5"] * (length - 1) + [bad]) + "]"
-    shown = key if length is None else f"{key}[{length - 1}]"
+    override, shown = _override(key, length, "0.5", bad)
     with pytest.raises(ConfigError, match=re.escape(f"config key '{shown}' must be a finite")):
-        load_config(None, [f"{key}={value}"])
+        load_config(None, [override])
 
 
-@pytest.mark.parametrize("override, key", [("network.v_max=inf", "network.v_max"),
-                                           ("train.learning_rate=inf", "train.learning_rate"),
-                                           ("env.cost_bps=nan", "env.cost_bps")])
-def test_non_finite_config_value_through_train(tmp_path, capsys, override, key):
-    one_error_line(capsys, ["train", "--set", override, "--out", tmp_path / "run"],
-                   f"config key '{key}' must be a finite number")
+@pytest.mark.parametrize("key, length", INT_KEYS, ids=[k for k, _ in INT_KEYS])
+def test_every_int_key_must_fit_in_int32(key, length):
+    override, shown = _override(key, length, "8", str(2**31))
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{shown}' must be an integer "
+                                                    f"in -2147483647..2147483647")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("network.v_max=inf", "config key 'network.v_max' must be a finite number"),
+    ("train.learning_rate=inf", "config key 'train.learning_rate' must be a finite number"),
+    ("env.cost_bps=nan", "config key 'env.cost_bps' must be a finite number"),
+    ("train.target_period=1099511627776", "config key 'train.target_period' must be an integer"),
+])
+def test_config_value_out_of_range_through_train(tmp_path, capsys, override, needle):
+    one_error_line(capsys, ["train", "--set", override, "--out", tmp_path / "run"], needle)
     assert not (tmp_path / "run").exists()
 
 
