@@ -293,8 +293,9 @@ def _read_frame(path: Path, label: str) -> pd.DataFrame:
     """File -> DataFrame with a 1-based ``__row__`` column; every failure is a DataError."""
     require_regular_file(path, label)
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the check
+        # O_NONBLOCK: a path swapped for a FIFO since the check is refused, not waited on
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise DataError(label, "is no longer a regular file")
             magic = f.read(4)
     except OSError as e:

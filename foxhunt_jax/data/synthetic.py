@@ -92,8 +92,9 @@ def synthetic_timestamps(bars: int) -> np.ndarray:
 
 
 # float64 [instruments, bars] arrays alive at once in make_synthetic (shocks, returns, log
-# closes, closes, previous closes, opens, highs, lows, volumes, a temporary) plus the per-instrument
-# copies of the six Instrument columns; [bars] arrays for the timestamps and their temporaries.
+# closes, closes, previous closes, opens, highs, lows, volumes, a temporary) plus the
+# per-instrument copies of the six Instrument columns; [bars] arrays for the timestamps and
+# their temporaries.
 _GENERATION_ARRAYS = 10 + 6
 _TIMESTAMP_ARRAYS = 16
 
