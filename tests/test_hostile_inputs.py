@@ -17,7 +17,6 @@ import typing
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +28,7 @@ from foxhunt_jax.data.checks import JUMP_FACTOR, MAX_PRICE, MIN_PRICE, first_pri
     require_memory
 from foxhunt_jax.data.features import build_tables
 from foxhunt_jax.data.loader import load_market, synthetic_memory_bytes
-from foxhunt_jax.data.market import Instrument, MarketData
+from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.data.synthetic import make_synthetic
 from foxhunt_jax.errors import ConfigError, DataError, FoxhuntError
 from foxhunt_jax.jitcache import enable_compilation_cache
