@@ -9,6 +9,7 @@ message naming the key. ``validate`` is the only place that checks ranges.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,10 @@ import yaml
 from foxhunt_jax.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Seeds the PRNGs take alike: jax.random.key gives the same key with and without x64 only for
+# 0 .. 2**32 - 1 (it wraps or refuses others), and NumPy's default_rng refuses negative seeds.
+SEED_RANGE = (0, 2**32 - 1)
+INT_LIMIT = 2**31 - 1  # every other integer key reaches the jitted programs as an int32
 
 
 @dataclass(frozen=True)
@@ -122,8 +127,8 @@ class TrainConfig:
     shards: int = 1
     # queued epochs (Trainer.run_epoch(queue_next=True)) run Validation and the next Experience
     # as one program where network.backend=pallas runs both rollouts as kernels on one device:
-    # the GPU runs the two kernels at once. Same numbers. On an H200 the seed epoch took 8.8
-    # instead of 10.3 ms; the cost is a fourth program to compile (docs/training.md).
+    # the GPU runs the two kernels at once. Same numbers; the cost is a fourth program to
+    # compile (the measured gain is in docs/training.md).
     pair_rollouts: bool = True
 
 
@@ -177,7 +182,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -236,6 +241,8 @@ def parse_override(text: str) -> dict:
 def read_yaml(path: str | Path) -> dict:
     """Reads a YAML mapping with the safe loader (no object construction)."""
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would block, a device never end
+        raise ConfigError(f"config file {p} is not a regular file")
     try:
         text = p.read_text()
     except OSError as e:
@@ -288,8 +295,29 @@ def _check(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' {rule}, got {value!r}")
 
 
+def _values_of(node: Any, kind: type, key: str = ""):
+    """(dotted key, value) of every field of type ``kind`` under the dataclass ``node``, the
+    items of tuples included."""
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, tp, name = getattr(node, f.name), hints[f.name], f"{key}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _values_of(value, kind, name + ".")
+        elif tp is kind:
+            yield name, value
+        elif typing.get_origin(tp) is tuple and kind in typing.get_args(tp):
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if type(v) is kind)
+
+
 def validate(cfg: Config) -> Config:
     """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
+    for key, value in _values_of(cfg, float):
+        _check(math.isfinite(value), key, "must be a finite number", value)
+    seeds = ("train.seed", "data.synthetic.seed")
+    for key, value in _values_of(cfg, int):
+        low, high = SEED_RANGE if key in seeds else (-INT_LIMIT, INT_LIMIT)
+        what = "the PRNG's seed range" if key in seeds else "a 32-bit integer, as programs hold it"
+        _check(low <= value <= high, key, f"must be an integer in {low}..{high} ({what})", value)
     d, e, n, r, c, t = cfg.data, cfg.env, cfg.network, cfg.replay, cfg.curiosity, cfg.train
     _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
     _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",

@@ -14,6 +14,7 @@ import pytest
 from foxhunt_jax import bench
 from foxhunt_jax.cli import build_parser, cmd_bench
 from foxhunt_jax.config import load_config
+from foxhunt_jax.errors import FoxhuntError
 
 
 @pytest.fixture
@@ -232,7 +233,7 @@ def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
     assert "Seed epoch" in capsys.readouterr().out
     second["meta"]["commit"] = "def5678"
     assert bench.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
-    with pytest.raises(SystemExit, match="cannot read"):
+    with pytest.raises(FoxhuntError, match="cannot read"):
         bench.main(["--merge", str(tmp_path / "missing.json")])
 
 

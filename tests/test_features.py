@@ -175,8 +175,8 @@ def test_bad_prices_raise_data_error():
     bad = replace_bars(m, 1, 150, np.random.default_rng(0), last=150)
     ins = bad.instruments[1]
     ins.close[150] = 0.0  # the arrays are fresh copies
-    with pytest.raises(DataError, match=r"random:4: feature 'ret_1' is not finite at bar 150 "
-                                        r"of instrument R1"):
+    with pytest.raises(DataError, match=r"random:4: instrument R1, bar 150 \(2001-05-31 "
+                                        r"00:00:00\): close 0 is below the smallest accepted"):
         build_tables(bad, episode_length=10)
 
 

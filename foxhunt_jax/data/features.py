@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem
 from foxhunt_jax.data.market import WARMUP_BARS, Instrument, MarketData, split_sizes
 
 WARMUP = WARMUP_BARS  # bars dropped per instrument: the longest window (61 closes) plus margin
@@ -201,6 +202,21 @@ def instrument_features(ins: Instrument) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
+def tables_peak_bytes(total_bars: int, largest_instrument_bars: int) -> int:
+    """Upper bound of the host bytes :func:`build_tables` holds at its peak for a market of
+    ``total_bars`` bars whose largest instrument has ``largest_instrument_bars``.
+
+    Kept for every bar: the raw float64 and normalized float32 features, the float64 and
+    float32 prices, sigma and last return in float64 and float32, instrument and timestamp
+    (twice). Held for the one instrument being built: its feature columns, their stacked copy
+    and about 16 float64 intermediates (windows, logs, returns).
+    """
+    f = len(FEATURE_NAMES)
+    per_bar = f * 8 + f * 4 + 4 * 8 + 4 * 4 + 2 * 8 + 2 * 4 + 2 * 4 + 2 * 8
+    per_instrument_bar = 2 * f * 8 + 16 * 8
+    return per_bar * int(total_bars) + per_instrument_bar * int(largest_instrument_bars)
+
+
 def _check_args(splits, episode_length) -> None:
     if len(splits) != 3 or any(not (s > 0) for s in splits) or abs(sum(splits) - 1) > 1e-6:
         raise ConfigError(f"data.splits must be three positive fractions summing to 1, "
@@ -233,9 +249,17 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
                  ) -> MarketTables:
     """Features, splits, normalization and valid starts of all instruments (see module doc).
 
-    Raises DataError when a split has no valid episode start in any instrument.
+    Raises DataError when an instrument breaks the price rule of
+    :func:`foxhunt_jax.data.checks.first_price_problem` (the loader's rule, applied here to
+    markets built in memory too) or a split has no valid episode start in any instrument.
     """
     _check_args(splits, episode_length)
+    for ins in market.instruments:
+        problem = first_price_problem(ins.open, ins.high, ins.low, ins.close)
+        if problem is not None:
+            when = str(np.datetime64(ins.timestamps[problem.index], "s")).replace("T", " ")
+            raise DataError(ins.source, f"instrument {ins.name}, bar {problem.index} ({when}): "
+                                        f"{problem.message} ({PRICE_RULE})")
     L = int(episode_length)
     raw, sig, lr, prices, inst, stamps, train_local = [], [], [], [], [], [], []
     segments = {s: [] for s in SPLITS}
@@ -272,7 +296,7 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
         if not np.all(np.isfinite(x)):
             row, col = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
             raise DataError(ins.source, f"feature '{FEATURE_NAMES[col]}' is not finite at bar "
-                            f"{row + WARMUP} of instrument {ins.name} (non-positive prices?)")
+                            f"{row + WARMUP} of instrument {ins.name}")
     mean, std = _train_stats(raw, train_local)
     normed = np.empty((offset, len(FEATURE_NAMES)), np.float32)
     m64, s64 = mean.astype(np.float64), std.astype(np.float64)
@@ -301,4 +325,4 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
 
 
 __all__ = ["MarketTables", "build_tables", "instrument_features", "rolling_sigma", "log_returns",
-           "split_bounds", "FEATURE_NAMES", "WARMUP", "SPLITS"]
+           "split_bounds", "tables_peak_bytes", "FEATURE_NAMES", "WARMUP", "SPLITS"]

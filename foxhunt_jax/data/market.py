@@ -8,6 +8,7 @@ import numpy as np
 
 
 WARMUP_BARS = 64  # bars of each instrument spent on feature history (the longest window + margin)
+MARKET_BYTES_PER_BAR = 6 * 8  # an Instrument's timestamps and five float64 columns
 
 
 def split_sizes(rows: int, splits) -> tuple[int, int, int]:
