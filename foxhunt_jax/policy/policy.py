@@ -39,6 +39,7 @@ from foxhunt_jax.training import checkpoint
 from foxhunt_jax.training.trainer import initial_state
 
 AGENTS = ("selected", "last")
+BAR_FIELDS = ("features", "open", "high", "low", "close", "sigma")
 # the step counter of a policy's portfolio never reaches the env's truncation
 _NO_TRUNCATION = 2 ** 30
 
@@ -112,7 +113,10 @@ class Core:
             norm_std=one, instrument_names=(), bar_seconds=1.0, bars_per_year=1.0,
             episode_length=1)
         cfg = dataclasses.replace(self.env_cfg, episode_length=_NO_TRUNCATION)
-        return trading.make_params(tables, cfg, "train")
+        # host arrays: constants of the traced functions (jax.export takes device arrays closed
+        # over by a function of a symbolic batch for extra arguments)
+        with jax.ensure_compile_time_eval():  # first use may be inside a trace
+            return jax.tree.map(np.asarray, trading.make_params(tables, cfg, "train"))
 
 
 def _pair_params(core: Core, first: BarInputs, second: BarInputs,
@@ -193,13 +197,16 @@ def step_from(core: Core, params, state: PolicyState, new_bar: BarInputs,
 class Position:
     """A position held into the decision bar's close (default flat).
 
-    ``exposure``: one of the run's ``env.exposures``; ``entry_price`` (default: the decision
-    bar's close); ``take_profit``/``stop_loss`` price levels (default: none, as a disabled
-    barrier); ``bars_held`` (time in trade); ``equity`` (initial equity is 1).
+    ``exposure``: the nominal exposure (one of the run's ``env.exposures``); ``entry_price``
+    (default: the decision bar's close); ``units`` held (default: ``exposure * equity /
+    entry_price``); ``take_profit``/``stop_loss`` price levels (default: none, as a disabled
+    barrier); ``bars_held`` (time in trade); ``equity`` marked at the decision bar's close
+    (initial equity is 1).
     """
 
     exposure: float = 0.0
     entry_price: float | None = None
+    units: float | None = None
     take_profit: float | None = None
     stop_loss: float | None = None
     bars_held: int = 0
@@ -210,10 +217,12 @@ def portfolio_of(position: Position, close: np.ndarray) -> trading.EnvState:
     """The env state [N] of ``position`` held at the closes [N] (the same for every
     instrument)."""
     n = close.shape[0]
+    close = np.asarray(close, np.float32)
     full = lambda v: np.full((n,), v, np.float32)  # noqa: E731
     e = float(position.exposure)
     entry = full(position.entry_price) if position.entry_price is not None else close
-    units = np.where(e != 0, e * position.equity / entry, 0.0).astype(np.float32)
+    units = (full(position.units) if position.units is not None else
+             np.where(e != 0, e * position.equity / entry, 0.0).astype(np.float32))
     cash = (position.equity - units * close).astype(np.float32)
     # a level not given is the env's disabled level for that side (never touched)
     off_tp, off_sl = (np.inf, 0.0) if e > 0 else (0.0, np.inf)
@@ -348,55 +357,76 @@ class Policy:
 
     def describe(self, decision: Decision, tables: list[dict], position: Position,
                  row: int = -1) -> list[dict]:
-        """The decision per instrument as JSON-ready dicts."""
-        env = self.cfg.env
-        d = jax.device_get(decision)
-        seen = set(self.stats.get("instruments", []))
-        out = []
-        for i, t in enumerate(tables):
-            act = [int(a) for a in d.action[i]]
-            branch = {"exposure": (env.exposures, 0)}
-            col = 1
-            for name, values in (("take_profit", env.take_profit), ("stop_loss", env.stop_loss)):
-                if values:
-                    branch[name] = (values, col)
-                    col += 1
-            q = {name: [float(x) for x in d.q[c][i]] for name, (_, c) in branch.items()}
-            rec = {"instrument": t["instrument"], "timestamp": str(t["timestamps"][row]),
-                   "data_last_timestamp": str(t["timestamps"][-1]),
-                   "close": float(t["close"][row]), "sigma": float(t["sigma"][row]),
-                   "exposure": float(env.exposures[act[0]]), "exposure_action": act[0]}
-            levels = {"take_profit": float(d.after.tp_price[i]),
-                      "stop_loss": float(d.after.sl_price[i])}
-            for name in ("take_profit", "stop_loss"):
-                if name in branch:
-                    values, c = branch[name]
-                    level = levels[name]
-                    rec[name] = {"action": act[c], "sigma_multiple": float(values[act[c]]),
-                                 "price": level if 0 < level < np.inf else None}
-                else:
-                    rec[name] = None
-            rec["q"] = q
-            rec["return_distribution"] = {
-                name: {"mean": float(d.mean[i, c]), "p_loss": float(d.p_loss[i, c])}
-                for name, (_, c) in branch.items()}
-            rec["portfolio"] = {"exposure": float(position.exposure),
-                                "entry_price": position.entry_price,
-                                "take_profit": position.take_profit,
-                                "stop_loss": position.stop_loss,
-                                "bars_held": int(position.bars_held),
-                                "equity": float(position.equity)}
-            rec["after_fill"] = {"exposure": float(d.after.exposure[i]),
-                                 "units": float(d.after.units[i]),
-                                 "entry_price": float(d.after.entry_price[i]),
-                                 "equity": float(d.after.equity[i]),
-                                 "trades": bool(d.after.exposure[i] != position.exposure)}
-            rec["seen_in_training"] = t["instrument"] in seen
-            rec["agent"] = self.agent_note
-            out.append(rec)
-        return out
+        """The decision per instrument as JSON-ready dicts (:func:`describe`)."""
+        return describe(decision_dict(decision), tables, self.cfg.env, position,
+                        self.stats.get("instruments", []), self.agent_note, row)
+
+
+def _fields(x) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+
+
+def decision_dict(decision: Decision) -> dict:
+    """A :class:`Decision` as nested dicts and lists of arrays (the export's layout)."""
+    d = _fields(decision)
+    d["q"] = list(decision.q)
+    d["after"] = _fields(decision.after)
+    return d
+
+
+def state_dict(state: PolicyState) -> dict:
+    """A :class:`PolicyState` as nested dicts of arrays (the export's layout)."""
+    return {"portfolio": _fields(state.portfolio), "bar": _fields(state.bar),
+            "action": state.action}
+
+
+def describe(decision: dict, tables: list[dict], env: EnvConfig, position: Position,
+             trained_on, agent_note: str, row: int = -1) -> list[dict]:
+    """Per instrument, a decision (:func:`decision_dict` layout) as a JSON-ready dict: the
+    bar's and the data's last timestamps, the exposure and barrier choices as actions and as
+    price levels, every action's expected Q per branch, the chosen actions' return
+    distribution summary, the portfolio decided from and the one after the fill."""
+    d = jax.tree.map(np.asarray, jax.device_get(decision))
+    seen = set(trained_on)
+    branch = {"exposure": (env.exposures, 0)}
+    for name, values in (("take_profit", env.take_profit), ("stop_loss", env.stop_loss)):
+        if values:
+            branch[name] = (values, len(branch))
+    out = []
+    for i, t in enumerate(tables):
+        act = [int(a) for a in d["action"][i]]
+        after = {k: v[i] for k, v in d["after"].items()}
+        rec = {"instrument": t["instrument"], "timestamp": _time(t["timestamps"][row]),
+               "data_last_timestamp": _time(t["timestamps"][-1]),
+               "close": float(t["close"][row]), "sigma": float(t["sigma"][row]),
+               "exposure": float(env.exposures[act[0]]), "exposure_action": act[0]}
+        levels = {"take_profit": float(after["tp_price"]), "stop_loss": float(after["sl_price"])}
+        for name in ("take_profit", "stop_loss"):
+            rec[name] = None
+            if name in branch:
+                values, c = branch[name]
+                level = levels[name]
+                rec[name] = {"action": act[c], "sigma_multiple": float(values[act[c]]),
+                             "price": level if 0 < level < np.inf else None}
+        rec["q"] = {name: [float(x) for x in d["q"][c][i]] for name, (_, c) in branch.items()}
+        rec["return_distribution"] = {
+            name: {"mean": float(d["mean"][i, c]), "p_loss": float(d["p_loss"][i, c])}
+            for name, (_, c) in branch.items()}
+        rec["portfolio"] = dataclasses.asdict(position)
+        rec["after_fill"] = {"exposure": float(after["exposure"]), "units": float(after["units"]),
+                             "entry_price": float(after["entry_price"]),
+                             "equity": float(after["equity"]),
+                             "trades": bool(after["exposure"] != position.exposure)}
+        rec["seen_in_training"] = t["instrument"] in seen
+        rec["agent"] = agent_note
+        out.append(rec)
+    return out
+
+
+def _time(ts) -> str:
+    return str(np.datetime64(ts, "s")).replace("T", " ")
 
 
 __all__ = ["Policy", "Position", "BarInputs", "PolicyState", "Decision", "Core", "AGENTS",
            "decide_at", "start_at", "step_from", "portfolio_of", "restore_params",
-           "config_digest"]
+           "config_digest", "decision_dict", "state_dict", "describe"]
