@@ -58,11 +58,8 @@ def _act_export(path: Path, data, at, position: Position) -> tuple[list[dict], s
     stats = {"feature_names": exported.feature_names, "norm_mean": exported.norm_mean,
              "norm_std": exported.norm_std, "data_columns": meta["data_columns"],
              "instruments": meta["instruments"]}
-    at_ts = None if at is None else spec.parse_timestamp(at)
     bars = _load_bars(data or list(cfg.data.source), cfg)
-    inss = tuple(spec.truncate_at(ins, at_ts) for ins in bars.instruments)
-    spec.check_data(inss, stats, str(path))
-    tables = [dict(spec.bar_table(ins, stats), instrument=ins.name) for ins in inss]
+    tables = spec.tables_at(bars.instruments, at, stats, str(path))
     bar = {k: np.stack([t[k][-1] for t in tables]) for k in BAR_FIELDS}
     portfolio = {k: np.asarray(v) for k, v in
                  state_dict_portfolio(position, bar["close"]).items()}

@@ -308,18 +308,10 @@ class Policy:
 
     # --- bars -> inputs ------------------------------------------------------------------
 
-    def instruments(self, bars, at=None) -> tuple:
-        """``bars`` (DataFrame, MarketData or Instruments) cut at ``at`` and checked against the
-        run (columns, feature set, warm-up)."""
-        at = None if at is None else spec.parse_timestamp(at)
-        inss = tuple(spec.truncate_at(ins, at) for ins in spec.as_instruments(bars))
-        spec.check_data(inss, self.stats, str(self.run_dir))
-        return inss
-
     def bar_tables(self, bars, at=None) -> list[dict]:
-        """Per instrument, every decidable bar (:func:`spec.bar_table`), up to ``at``."""
-        return [dict(spec.bar_table(ins, self.stats), instrument=ins.name)
-                for ins in self.instruments(bars, at)]
+        """Per instrument of ``bars`` (DataFrame, MarketData or Instruments), every decidable
+        bar up to ``at`` (:func:`spec.tables_at`), checked against the run."""
+        return spec.tables_at(spec.as_instruments(bars), at, self.stats, str(self.run_dir))
 
     @staticmethod
     def inputs(tables: list[dict], row: int = -1) -> BarInputs:
@@ -397,7 +389,7 @@ def describe(decision: dict, tables: list[dict], env: EnvConfig, position: Posit
         act = [int(a) for a in d["action"][i]]
         after = {k: v[i] for k, v in d["after"].items()}
         rec = {"instrument": t["instrument"], "timestamp": _time(t["timestamps"][row]),
-               "data_last_timestamp": _time(t["timestamps"][-1]),
+               "data_last_timestamp": _time(t["data_last_timestamp"]),
                "close": float(t["close"][row]), "sigma": float(t["sigma"][row]),
                "exposure": float(env.exposures[act[0]]), "exposure_action": act[0]}
         levels = {"take_profit": float(after["tp_price"]), "stop_loss": float(after["sl_price"])}

@@ -167,6 +167,18 @@ def truncate_at(ins: Instrument, at: np.datetime64 | None) -> Instrument:
                       close=cut(ins.close), volume=cut(ins.volume))
 
 
-__all__ = ["STATISTICS_FILE", "data_columns", "statistics_of", "write_statistics",
+def tables_at(instruments: Sequence[Instrument], at, stats: dict, run: str) -> list[dict]:
+    """Per instrument, :func:`bar_table` of its bars up to ``at`` (default: all), after
+    :func:`check_data`; each table also names its ``instrument`` and the data's
+    ``data_last_timestamp`` (the instrument's last bar, read or not)."""
+    at = None if at is None else parse_timestamp(at)
+    cut = tuple(truncate_at(ins, at) for ins in instruments)
+    check_data(cut, stats, run)
+    return [dict(bar_table(c, stats), instrument=c.name,
+                 data_last_timestamp=np.asarray(ins.timestamps)[-1].astype("datetime64[ns]"))
+            for ins, c in zip(instruments, cut)]
+
+
+__all__ = ["tables_at", "STATISTICS_FILE", "data_columns", "statistics_of", "write_statistics",
            "run_statistics", "as_instruments", "check_data", "bar_table", "parse_timestamp",
            "truncate_at"]
