@@ -2,7 +2,6 @@
 the step-by-step decision there, no look-ahead, the export (loaded without foxhunt_jax) equals
 the library, bad input is one error line, the docs' library example runs."""
 
-import dataclasses
 import json
 import os
 import re

@@ -126,9 +126,12 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
     num_features = len(features.FEATURE_NAMES)
     bar, portfolio, state = _specs(n, num_features, len(policy.cfg.env.branch_sizes))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.params)
-    programs = {
-        "decide": jax.export.export(jax.jit(decide, keep_unused=True), platforms=PLATFORMS)(params, bar, portfolio),
-        "step": jax.export.export(jax.jit(step, keep_unused=True), platforms=PLATFORMS)(params, state, bar)}
+    # keep_unused: every input stays an argument (the step reads no feature of the old bar)
+    def export(f):
+        return jax.export.export(jax.jit(f, keep_unused=True), platforms=PLATFORMS)
+
+    programs = {"decide": export(decide)(params, bar, portfolio),
+                "step": export(step)(params, state, bar)}
     cfg = policy.cfg
     meta = {
         "format_version": FORMAT_VERSION,

@@ -157,8 +157,8 @@ def decide_at(core: Core, params, bar: BarInputs, portfolio: trading.EnvState,
     obs = jax.vmap(trading.observation)(portfolio, env_p)  # [N, D]
     q, actions, taken = _forward(core, params, obs, per_row)
     z = core.learner.support
+    mean = jnp.stack([expected_q(t, z) for t in taken], axis=1)  # [N, B]
     probs = jnp.stack([jax.nn.softmax(t, axis=-1) for t in taken], axis=1)  # [N, B, K]
-    mean = jnp.sum(probs * z, axis=-1)
     p_loss = jnp.sum(jnp.where(z < 0, probs, 0.0), axis=-1)
     # the fill at this close: the env's step onto a still bar, with no time barrier
     preview = jax.vmap(lambda b: _pair_params(core, b, _still(b), _NO_TRUNCATION))(bar)

@@ -2,10 +2,11 @@
 columns it was trained on, and the per-bar inputs built from raw bars (host NumPy).
 
 A run directory holds ``normalization.json`` (written when training starts): the feature names,
-the pooled train-split ``norm_mean``/``norm_std`` that :func:`foxhunt_jax.data.features.build_tables`
-applied, and the data columns (``volume`` only when the training data had any). For a run
-written before that file existed, :func:`run_statistics` recomputes them from the run's own
-config and data (deterministic: the same data gives the same statistics) and warns.
+the pooled train-split ``norm_mean``/``norm_std`` that
+:func:`foxhunt_jax.data.features.build_tables` applied, and the data columns (``volume`` only
+when the training data had any). For a run written before that file existed,
+:func:`run_statistics` recomputes them from the run's own config and data (deterministic: the
+same data gives the same statistics) and warns.
 
 The features of a bar come from :func:`~foxhunt_jax.data.features.instrument_features` (bars
 ``t - 63 .. t`` of its instrument) normalized by :func:`~foxhunt_jax.data.features.normalize`:
