@@ -57,6 +57,7 @@ def _act_export(path: Path, data, at, position: Position) -> tuple[list[dict], s
     check_position(position, cfg.env.exposures)
     stats = {"feature_names": exported.feature_names, "norm_mean": exported.norm_mean,
              "norm_std": exported.norm_std, "data_columns": meta["data_columns"],
+             "volume": meta.get("volume"),
              "instruments": meta["instruments"]}
     bars = _load_bars(data or list(cfg.data.source), cfg)
     tables = spec.tables_at(bars.instruments, at, stats, str(path))

@@ -137,6 +137,7 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
         "format_version": FORMAT_VERSION,
         "metadata": {"config_digest": config_digest(cfg), "config": to_dict(cfg),
                      "data_columns": policy.stats["data_columns"],
+                     "volume": policy.stats.get("volume"),
                      "instruments": policy.stats.get("instruments", []),
                      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                      "package_version": __version__, "run": str(policy.run_dir),

@@ -41,12 +41,19 @@ def data_columns(instruments: Sequence[Instrument]) -> list[str]:
     return list(PRICE_COLUMNS) + (["volume"] if has_volume else [])
 
 
+def volume_coverage(instruments: Sequence[Instrument]) -> str:
+    """Which instruments carry a volume: ``"all"``, ``"some"`` or ``"none"``."""
+    has = [bool(np.any(np.asarray(ins.volume) != 0)) for ins in instruments]
+    return "all" if all(has) else ("some" if any(has) else "none")
+
+
 def statistics_of(tables: MarketTables, market: MarketData) -> dict:
     """The JSON payload of ``normalization.json`` for a run built from ``market``."""
     return {"feature_names": list(tables.feature_names),
             "norm_mean": [float(x) for x in np.asarray(tables.norm_mean, np.float32)],
             "norm_std": [float(x) for x in np.asarray(tables.norm_std, np.float32)],
             "data_columns": data_columns(market.instruments),
+            "volume": volume_coverage(market.instruments),
             "instruments": list(tables.instrument_names)}
 
 
@@ -107,11 +114,15 @@ def check_data(instruments: Sequence[Instrument], stats: dict, run: str) -> None
                           f"computes {list(FEATURE_NAMES)}")
     if not instruments:
         raise DataError("bars", "no instrument given")
-    columns = data_columns(instruments)
-    if columns != list(stats["data_columns"]):
+    # a run trained with and without volume (some instruments) accepts either
+    trained = stats.get("volume") or ("all" if "volume" in stats["data_columns"] else "none")
+    given = volume_coverage(instruments)
+    if trained != "some" and given != trained:
         source = ", ".join(sorted({ins.source for ins in instruments}))
-        raise DataError(source, f"the data has columns {columns}, the run {run} was trained on "
-                                f"{stats['data_columns']} (the volume features would differ)")
+        raise DataError(source, f"the data has columns {data_columns(instruments)} (volume for "
+                                f"{given} of its instruments), the run {run} was trained on "
+                                f"{stats['data_columns']} (volume for {trained}): the volume "
+                                "features would differ")
     for ins in instruments:
         if len(ins) <= WARMUP:
             raise DataError(ins.source, f"instrument {ins.name} has {len(ins)} bars; a decision "
@@ -180,6 +191,6 @@ def tables_at(instruments: Sequence[Instrument], at, stats: dict, run: str) -> l
             for ins, c in zip(instruments, cut)]
 
 
-__all__ = ["tables_at", "STATISTICS_FILE", "data_columns", "statistics_of", "write_statistics",
+__all__ = ["tables_at", "STATISTICS_FILE", "data_columns", "volume_coverage", "statistics_of", "write_statistics",
            "run_statistics", "as_instruments", "check_data", "bar_table", "parse_timestamp",
            "truncate_at"]
