@@ -168,6 +168,9 @@ def test_exported_policy_loads_without_foxhunt_jax_and_equals_the_library(
         policy, market, export_dir, tmp_path):
     meta = json.loads((export_dir / "policy.json").read_text())
     assert meta["format_version"] == 1 and meta["metadata"]["config_digest"]
+    for name in ("decide", "step"):
+        exp = jax.export.deserialize(bytearray((export_dir / f"{name}.jax_exported").read_bytes()))
+        assert exp.platforms == ("cpu", "cuda")
     assert meta["metadata"]["data_columns"] == ["open", "high", "low", "close", "volume"]
     arrays = {"names": json.dumps([i.name for i in market.instruments])}
     for ins in market.instruments:

@@ -17,14 +17,9 @@ from foxhunt_jax.data import features
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.policy import spec
-from foxhunt_jax.policy.policy import BAR_FIELDS, Policy, Position, describe, portfolio_of
+from foxhunt_jax.policy.policy import (BAR_FIELDS, Policy, Position, check_position, describe,
+                                       portfolio_of)
 from foxhunt_jax.policy.standalone import ExportedPolicy, ExportError
-
-
-def check_position(position: Position, exposures) -> None:
-    if float(position.exposure) not in [float(x) for x in exposures]:
-        raise ConfigError(f"--position {position.exposure:g} is not one of the run's exposures "
-                          f"({', '.join(f'{x:g}' for x in exposures)})")
 
 
 def _load_bars(sources, cfg):
@@ -40,7 +35,6 @@ def act(path: str | Path, data=None, at=None, agent: str = "selected",
     if (path / "policy.json").is_file():
         return _act_export(path, data, at, position)
     policy = Policy.load(path, agent=agent)
-    check_position(position, policy.cfg.env.exposures)
     bars = _load_bars(data or list(policy.cfg.data.source), policy.cfg)
     tables = policy.bar_tables(bars, at)
     decision, _ = policy.start_bar(policy.inputs(tables), position)
@@ -102,4 +96,4 @@ def write_json(path: str | Path, payload) -> None:
     tmp.replace(path)
 
 
-__all__ = ["act", "check_position", "table", "write_json"]
+__all__ = ["act", "table", "write_json"]

@@ -213,6 +213,13 @@ class Position:
     equity: float = 1.0
 
 
+def check_position(position: Position, exposures) -> None:
+    """ConfigError unless the position's exposure is one of the run's ``exposures``."""
+    if float(position.exposure) not in [float(x) for x in exposures]:
+        raise ConfigError(f"--position {position.exposure:g} is not one of the run's exposures "
+                          f"({', '.join(f'{x:g}' for x in exposures)})")
+
+
 def portfolio_of(position: Position, close: np.ndarray) -> trading.EnvState:
     """The env state [N] of ``position`` held at the closes [N] (the same for every
     instrument)."""
@@ -331,6 +338,8 @@ class Policy:
 
     def start_bar(self, bar: BarInputs, position: Position = Position()
                   ) -> tuple[Decision, PolicyState]:
+        """The decision at ``bar`` [N] for ``position`` and the state :meth:`step` continues."""
+        check_position(position, self.cfg.env.exposures)
         return self._start(self.params, bar, portfolio_of(position, np.asarray(bar.close)))
 
     def step(self, state: PolicyState, new_bar: BarInputs) -> tuple[Decision, PolicyState]:
@@ -420,5 +429,5 @@ def _time(ts) -> str:
 
 
 __all__ = ["Policy", "Position", "BarInputs", "PolicyState", "Decision", "Core", "AGENTS",
-           "decide_at", "start_at", "step_from", "portfolio_of", "restore_params",
+           "decide_at", "start_at", "step_from", "portfolio_of", "check_position", "restore_params",
            "config_digest", "decision_dict", "state_dict", "describe"]
