@@ -231,14 +231,17 @@ def _args_act(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("portfolio held into the decision bar's close (default flat)")
     g.add_argument("--position", metavar="P", type=float, default=0.0,
                    help="the exposure held, one of the run's env.exposures")
-    g.add_argument("--entry-price", type=float, default=None,
+    g.add_argument("--entry-price", metavar="PRICE", type=float, default=None,
                    help="its entry price (default: the decision bar's close)")
-    g.add_argument("--units", type=float, default=None,
+    g.add_argument("--units", metavar="U", type=float, default=None,
                    help="units held (default: position * equity / entry price)")
-    g.add_argument("--take-profit-price", type=float, default=None, help="its take-profit level")
-    g.add_argument("--stop-loss-price", type=float, default=None, help="its stop-loss level")
-    g.add_argument("--bars-held", type=int, default=0, help="bars since it was opened")
-    g.add_argument("--equity", type=float, default=1.0,
+    g.add_argument("--take-profit-price", metavar="PRICE", type=float, default=None,
+                   help="its take-profit level")
+    g.add_argument("--stop-loss-price", metavar="PRICE", type=float, default=None,
+                   help="its stop-loss level")
+    g.add_argument("--bars-held", metavar="N", type=int, default=0,
+                   help="bars since it was opened")
+    g.add_argument("--equity", metavar="E", type=float, default=1.0,
                    help="equity at the decision bar's close (the run started at 1)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write the decisions as JSON")
@@ -279,8 +282,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     policy = Policy.load(args.run, agent=args.agent)
     out = export_policy(policy, args.out)
-    print(f"exported {policy.agent_note} of {args.run} to {out} (load it with "
-          f"{out / 'load_policy.py'}: jax and numpy only)")
+    print(f"exported the agent of {args.run} ({policy.agent_note}) to {out}; "
+          f"{out / 'load_policy.py'} loads it with jax and numpy only")
     return 0
 
 

@@ -40,8 +40,8 @@ from foxhunt_jax.training.trainer import initial_state
 
 AGENTS = ("selected", "last")
 BAR_FIELDS = ("features", "open", "high", "low", "close", "sigma")
-# the step counter of a policy's portfolio never reaches the env's truncation
-_NO_TRUNCATION = 2 ** 30
+# a step count never reached: no truncation, and no time barrier in the fill preview
+_NEVER = 2 ** 30
 
 
 @struct.dataclass
@@ -112,7 +112,7 @@ class Core:
             starts={"train": np.zeros(1, np.int32)}, feature_names=(), norm_mean=one,
             norm_std=one, instrument_names=(), bar_seconds=1.0, bars_per_year=1.0,
             episode_length=1)
-        cfg = dataclasses.replace(self.env_cfg, episode_length=_NO_TRUNCATION)
+        cfg = dataclasses.replace(self.env_cfg, episode_length=_NEVER)
         # host arrays: constants of the traced functions (jax.export takes device arrays closed
         # over by a function of a symbolic batch for extra arguments)
         with jax.ensure_compile_time_eval():  # first use may be inside a trace
@@ -161,7 +161,7 @@ def decide_at(core: Core, params, bar: BarInputs, portfolio: trading.EnvState,
     probs = jnp.stack([jax.nn.softmax(t, axis=-1) for t in taken], axis=1)  # [N, B, K]
     p_loss = jnp.sum(jnp.where(z < 0, probs, 0.0), axis=-1)
     # the fill at this close: the env's step onto a still bar, with no time barrier
-    preview = jax.vmap(lambda b: _pair_params(core, b, _still(b), _NO_TRUNCATION))(bar)
+    preview = jax.vmap(lambda b: _pair_params(core, b, _still(b), _NEVER))(bar)
     branches = tuple(actions[:, d] for d in range(actions.shape[-1]))
     after = jax.vmap(lambda s, a, p: trading.advance(s, a, p)[0])(portfolio, branches, preview)
     equity = portfolio.cash + portfolio.units * bar.close
