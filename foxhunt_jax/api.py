@@ -20,6 +20,7 @@ import numpy as np
 from foxhunt_jax import parallel
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
 from foxhunt_jax.errors import ConfigError, NonFiniteError
+from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.training import checkpoint, report
 from foxhunt_jax.training.rundir import RunWriter, read_metrics
 from foxhunt_jax.training.trainer import Trainer, TrainerState, all_finite
@@ -115,6 +116,8 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
         log(f"resumed from epoch {int(state.epoch)}")
     elif writer is not None:
         writer.write_config(dump_yaml(cfg))
+        if jax.process_index() == 0:  # what a policy of this run normalizes its inputs with
+            write_statistics(out, trainer.tables, trainer.market)
     history = read_metrics(out) if (resume and out is not None) else []
 
     epochs = cfg.train.epochs

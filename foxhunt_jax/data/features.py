@@ -245,6 +245,14 @@ def _train_stats(raw: list, train: list) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float32), np.maximum(np.sqrt(var), STD_FLOOR).astype(np.float32)
 
 
+def normalize(raw: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Raw features [..., F] -> float32 ``clip((raw - mean) / std, -10, 10)``, computed in
+    float64 with the float32 statistics ``mean``, ``std`` [F] (the training run's)."""
+    m64 = np.asarray(mean, np.float32).astype(np.float64)
+    s64 = np.asarray(std, np.float32).astype(np.float64)
+    return np.clip((np.asarray(raw, np.float64) - m64) / s64, -CLIP, CLIP).astype(np.float32)
+
+
 def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: int = 100
                  ) -> MarketTables:
     """Features, splits, normalization and valid starts of all instruments (see module doc).
@@ -299,10 +307,9 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
                             f"{row + WARMUP} of instrument {ins.name}")
     mean, std = _train_stats(raw, train_local)
     normed = np.empty((offset, len(FEATURE_NAMES)), np.float32)
-    m64, s64 = mean.astype(np.float64), std.astype(np.float64)
     row = 0
     for x in raw:  # per instrument, so no float64 copy of the whole table is made
-        normed[row: row + len(x)] = np.clip((x - m64) / s64, -CLIP, CLIP)
+        normed[row: row + len(x)] = normalize(x, mean, std)
         row += len(x)
     p = np.concatenate(prices, axis=1).astype(np.float32)
     return MarketTables(
@@ -324,5 +331,5 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
     )
 
 
-__all__ = ["MarketTables", "build_tables", "instrument_features", "rolling_sigma", "log_returns",
-           "split_bounds", "tables_peak_bytes", "FEATURE_NAMES", "WARMUP", "SPLITS"]
+__all__ = ["MarketTables", "build_tables", "normalize", "instrument_features", "rolling_sigma",
+           "log_returns", "split_bounds", "tables_peak_bytes", "FEATURE_NAMES", "WARMUP", "SPLITS"]
