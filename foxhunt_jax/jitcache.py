@@ -27,6 +27,10 @@ there either). Folders the library creates are private (mode 0700).
 Library users who import foxhunt_jax keep their own JAX settings: only the CLI, the benchmark and
 the test suite call :func:`enable_compilation_cache`; without it :func:`compile_cached` simply
 compiles.
+
+JAX (and :mod:`foxhunt_jax.executable_codec`, which imports its internals) is imported inside the
+functions that use it, so that importing this module for its constants (the CLI, the benchmark,
+which times JAX's start-up) does not start JAX.
 """
 
 from __future__ import annotations
@@ -44,8 +48,6 @@ import threading
 import warnings
 from pathlib import Path
 from typing import Any
-
-from foxhunt_jax import executable_codec
 
 _ROOT = Path(__file__).resolve().parent.parent
 # JAX settings that change what a program lowers to
@@ -267,7 +269,7 @@ def cache_key(name: str, config: Any, args) -> str:
              # the platform build (CUDA version etc. of the GPU plugin), not only jaxlib's
              "backend": [jax.default_backend(), devices[0].client.platform_version],
              "devices": [(d.id, getattr(d, "device_kind", "")) for d in devices],
-             "source": source_digest(), "format": executable_codec.MAGIC.decode()}
+             "source": source_digest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -346,6 +348,8 @@ def _load(path: Path, args, key: str):
         return None, False
     if blob is None:
         return None, True
+    from foxhunt_jax import executable_codec
+
     try:
         compiled = executable_codec.decode(blob, args, key)
     except Exception as e:  # noqa: BLE001 - any unreadable entry is compiled again
@@ -358,6 +362,8 @@ def _load(path: Path, args, key: str):
 
 def _store(path: Path, compiled, args, key: str, name: str) -> None:
     """Writes the entry of ``compiled`` atomically (a private temporary file, then rename)."""
+    from foxhunt_jax import executable_codec
+
     tmp = None
     try:
         blob = executable_codec.encode(compiled, args, key)
