@@ -102,16 +102,30 @@ def untrusted_reason(st: os.stat_result) -> str | None:
     return None
 
 
-def _folder_trusted(folder: Path) -> bool:
-    """Whether ``folder`` (which exists) may hold cache entries; warns once per folder if not."""
-    reason = untrusted_reason(folder.stat())
-    if reason is None:
-        return True
+def _warn_once(folder: Path, message: str) -> None:
     with _warn_lock:
         if str(folder) not in _warned_folders:
             _warned_folders.add(str(folder))
-            warn(f"compilation cache {folder} is {reason}; not using it, compiling afresh "
-                 f"(chmod go-w it, or set FOXHUNT_JAX_CACHE to a folder of your own)")
+            warn(message)
+
+
+def _folder_trusted(folder: Path, entries: bool = False) -> bool:
+    """Whether ``folder`` (which exists) may hold cache entries; warns once per folder if not.
+    ``entries``: also every file directly in it and in its subfolders, where others can reach
+    them (a folder that group or others may enter) and the reader does not check each one
+    (JAX's persistent cache)."""
+    reason = untrusted_reason(folder.stat())
+    if reason is None and entries and folder.stat().st_mode & (stat.S_IXGRP | stat.S_IXOTH):
+        for f in [*folder.iterdir(), *(g for d in folder.iterdir() if d.is_dir()
+                                       for g in d.iterdir())]:
+            why = untrusted_reason(f.lstat())
+            if why is not None:
+                reason = f"holding {f.name}, which is {why}"
+                break
+    if reason is None:
+        return True
+    _warn_once(folder, f"compilation cache {folder} is {reason}; not using it, compiling "
+                       f"afresh (chmod go-w it, or set FOXHUNT_JAX_CACHE to a folder of your own)")
     return False
 
 
@@ -129,8 +143,13 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
     _executables = None
     if where.lower() == "off":
         return None
-    Path(where).mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not _folder_trusted(Path(where)):
+    try:
+        Path(where).mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        _warn_once(Path(where), f"cannot create the compilation cache {where} ({e.strerror}); "
+                                f"compiling without caches")
+        return None
+    if not _folder_trusted(Path(where), entries=True):
         return None
     _set_jax_cache({"jax_compilation_cache_dir": where,
                     "jax_persistent_cache_min_compile_time_secs": 0.5,

@@ -21,14 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def exe_dir(tmp_path, monkeypatch):
-    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
-    folder = tmp_path / "executables"
-    monkeypatch.setattr(jitcache, "_executables", folder)
-    return folder
-
-
-@pytest.fixture
 def fresh_xla_cache(tmp_path):
     """An empty JAX persistent cache for this test (XLA compiles every program here; a program
     that the suite's shared cache served would not be stored), the suite's restored after."""
@@ -42,11 +34,19 @@ def fresh_xla_cache(tmp_path):
     cc.reset_cache()
 
 
+@pytest.fixture
+def exe_dir(tmp_path, monkeypatch, fresh_xla_cache):
+    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
+    folder = tmp_path / "executables"
+    monkeypatch.setattr(jitcache, "_executables", folder)
+    return folder
+
+
 def _strip(rec):
     return {k: v for k, v in rec.items() if k != "phase_ms"}
 
 
-def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir, fresh_xla_cache):
+def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
     cfg = load_config("smoke")
     runs = []
     for _ in range(2):
@@ -289,6 +289,18 @@ def test_a_cache_folder_others_can_write_is_not_used(tmp_path, capfd, monkeypatc
     assert updates == {} and jitcache._executables is None  # JAX is not pointed at it
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith("warning: compilation cache") and str(shared) in line
+    # an open folder holding an entry others can write (JAX reads its entries unchecked)
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o755)
+    (open_folder / "jit_f-cache").write_bytes(b"x")
+    (open_folder / "jit_f-cache").chmod(0o666)
+    assert jitcache.enable_compilation_cache(str(open_folder)) is None
+    # a path that is a file
+    (tmp_path / "a_file").write_text("mine")
+    assert jitcache.enable_compilation_cache(str(tmp_path / "a_file")) is None
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2 and "jit_f-cache" in lines[0] and "cannot create" in lines[1]
+    assert updates == {} and (tmp_path / "a_file").read_text() == "mine"
     fresh = tmp_path / "fresh" / "cache"
     assert jitcache.enable_compilation_cache(str(fresh)) == str(fresh)
     assert fresh.stat().st_mode & 0o777 == 0o700  # created private
