@@ -190,8 +190,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.yaml"
         config = str(saved) if args.resume and saved.is_file() else "default"
     cfg = load_config(config, overrides)
-    if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
+    # api.train checks, marks and locks --out before it loads data or compiles
     api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
     import jax
 
