@@ -108,8 +108,10 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     if resume and out is None:
         raise ConfigError("--resume needs the run folder (--out)")
     if out is not None:
-        # the folder is checked, then marked and locked, before any data or compile work
-        check_run_folder(out, resume)
+        # process 0, the writer, checks, marks and locks the folder before any data or compile
+        # work (the others would race with its first writes)
+        if lead:
+            check_run_folder(out, resume)
         if resume:
             saved = from_dict(read_yaml(out / "config.yaml"))
             if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:

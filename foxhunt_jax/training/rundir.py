@@ -465,7 +465,8 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     """Checks, marks and locks a run folder; returns its writer, which holds the lock until
     :meth:`RunWriter.close`.
 
-    :func:`check_run_folder` first (nothing is written when it refuses). Then, on process 0:
+    On process 0 (other processes get a writer that writes nothing, and no check):
+    :func:`check_run_folder` first (nothing is written when it refuses), then
     ``run.json`` (created if missing), the lock (:class:`RunLock`; ConfigError naming the
     holder when a live process holds it), the check again under the lock, and for a fresh start
     ``run.json`` and ``config.yaml`` of this run and no records (:meth:`RunWriter.truncate_after`
@@ -474,9 +475,9 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     """
     out = Path(out_dir)
     warn = warn or (lambda line: None)
-    check_run_folder(out, resume)
-    if process_index != 0:
+    if process_index != 0:  # process 0 alone checks and writes
         return RunWriter(out, process_index=process_index)
+    check_run_folder(out, resume)
     out.mkdir(parents=True, exist_ok=True)
     # a resumed folder without run.json is a run from before the marker: it is adopted
     _create_exclusive(out / RUN_FILE, _run_marker(config_text, **({"adopted": True} if resume
