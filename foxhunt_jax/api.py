@@ -124,6 +124,10 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     try:
         return _train(cfg, out, writer, resume=resume, progress=progress, log=log,
                       final_report=final_report, devices=devices)
+    except BaseException:
+        if writer is not None:  # a start that failed before its first epoch leaves nothing
+            writer.discard_if_unused()
+        raise
     finally:
         if writer is not None:
             writer.close()

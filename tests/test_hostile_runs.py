@@ -382,3 +382,14 @@ def test_evaluate_on_other_data_never_replaces_the_runs_own_evaluation(base, tmp
              for d in (["a/prices.csv"], ["b/prices.csv"], ["a/prices.csv", "b/prices.csv"])}
     assert len(names) == 3 and all(n.startswith("evaluate_validation_prices") for n in names)
 
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_start_that_fails_on_bad_data_leaves_nothing(existing, tmp_path, capsys):
+    out = tmp_path / "empty" if existing else tmp_path / "new" / "run"
+    if existing:
+        out.mkdir()
+    code = main(["train", *CLI_TINY, "--data", str(tmp_path / "missing.csv"), "--out", str(out)])
+    assert code == 2 and "missing.csv" in error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["empty"] if existing else [])
+    assert not existing or list(out.iterdir()) == []

@@ -8,10 +8,9 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   0-d arrays. Storing leaves flat (instead of orbax's own view of the tree) makes any pytree work
   the same way: dicts, optax states (NamedTuples), ``flax.struct`` dataclasses.
   Replicated jax arrays of one dtype and placement are packed into one vector,
-  ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes
-  (86 arrays of 15 MB in all took 248 ms, one array of 15 MB 61 ms on a 2-core CPU), and the
-  agent alone is 62 replicated arrays (on one device the seed config's whole state saves as 5
-  arrays, in 110 ms against 271 ms; ``scripts/bench_checkpoint.py``, docs/training.md).
+  ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes,
+  and the agent alone is 62 replicated arrays (the measurements are in docs/training.md,
+  ``scripts/bench_checkpoint.py`` repeats them).
 * ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing

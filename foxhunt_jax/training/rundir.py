@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import struct
 import time
@@ -378,6 +379,7 @@ class RunWriter:
         self._metrics = None
         self._tb = None
         self._lock: RunLock | None = None
+        self._made: list[Path] | None = None  # set by open_run in a new or empty folder
         if self.active:
             for d in (self.out_dir, self.checkpoint_dir, self.report_dir):
                 d.mkdir(parents=True, exist_ok=True)
@@ -446,6 +448,30 @@ class RunWriter:
             self._tb.close()
             self._tb = None
 
+    def discard_if_unused(self) -> None:
+        """After a run failed before its first record and checkpoint (bad data, say): removes
+        what :func:`open_run` made in a folder that was new or empty, lock included, so a failed
+        start leaves nothing behind. Does nothing in any other case."""
+        if not self.active or self._made is None:
+            return
+        self._close_files()
+        if read_metrics(self.out_dir) or checkpoint_steps(self.out_dir):
+            return
+        for name in (RUN_FILE, CONFIG_FILE, METRICS_FILE):
+            (self.out_dir / name).unlink(missing_ok=True)
+        for name in ("tb", CHECKPOINT_DIR, "report"):
+            shutil.rmtree(self.out_dir / name, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.path.unlink(missing_ok=True)
+            self._lock.release()
+            self._lock = None
+        for folder in self._made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self._made = None
+
     def close(self) -> None:
         """Closes the files and releases the run's lock (if :func:`open_run` took it)."""
         self._close_files()
@@ -477,7 +503,11 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     warn = warn or (lambda line: None)
     if process_index != 0:  # process 0 alone checks and writes
         return RunWriter(out, process_index=process_index)
-    check_run_folder(out, resume)
+    kind = check_run_folder(out, resume)
+    made, folder = [], out.absolute()  # the folders mkdir creates, deepest first
+    while not folder.exists():
+        made.append(folder)
+        folder = folder.parent
     out.mkdir(parents=True, exist_ok=True)
     # a resumed folder without run.json is a run from before the marker: it is adopted
     _create_exclusive(out / RUN_FILE, _run_marker(config_text, **({"adopted": True} if resume
@@ -494,6 +524,8 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
         lock.release()
         raise
     writer._lock = lock
+    if kind == "new" and not resume:
+        writer._made = made
     return writer
 
 
