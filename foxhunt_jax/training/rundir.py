@@ -231,14 +231,15 @@ def _probe_writable(folder: Path, out: Path) -> None:
     os.unlink(probe)
 
 
-def check_run_folder(out: str | os.PathLike, resume: bool) -> str:
+def check_run_folder(out: str | os.PathLike, resume: bool, *, locked: bool = False) -> str:
     """Whether a run may be started (``resume=False``) or resumed in ``out``; writes nothing.
 
     Returns ``"new"`` (absent or empty), ``"run"`` or ``"legacy"`` (a folder with config.yaml
     and checkpoints/ but no run.json, written before the marker existed: it is adopted). Raises
     ConfigError for a path that is not a folder, a folder that cannot be written, a non-empty
-    folder without run.json, a fresh start into a run that holds a checkpoint and a resume
-    without a checkpoint.
+    folder without run.json, a folder whose lock a live process holds (``locked``: this
+    process holds it), a fresh start into a run that holds a checkpoint and a resume without a
+    checkpoint.
     """
     out = Path(out)
     try:
@@ -260,6 +261,8 @@ def check_run_folder(out: str | os.PathLike, resume: bool) -> str:
     if kind == "other":
         raise ConfigError(f"run folder {out} is not empty and holds no run (no {RUN_FILE}); "
                           "choose a new or empty folder")
+    if kind in ("run", "legacy") and not locked:
+        _refuse_if_held(out)
     steps = checkpoint_steps(out) if kind != "empty" else []
     if resume and kind == "empty":
         raise ConfigError(f"--resume: no run in {out}")
@@ -273,6 +276,29 @@ def check_run_folder(out: str | os.PathLike, resume: bool) -> str:
             if folder.is_dir():
                 _probe_writable(folder, out)
     return "new" if kind == "empty" else kind
+
+
+def _in_use(out: Path, holder: dict | None) -> ConfigError:
+    return ConfigError(f"run folder {out} is in use by {_holder_text(holder)}; wait for it to "
+                       "end or choose another folder")
+
+
+def _refuse_if_held(out: Path) -> None:
+    """ConfigError naming the holder when a live process holds ``out``'s lock (a shared flock,
+    taken and dropped at once, tells without writing anything)."""
+    path = out / LOCK_FILE
+    if not path.is_file():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # RunLock.acquire reports it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(out, _read_holder(fd)) from None
+    finally:
+        os.close(fd)
 
 
 def _now() -> str:
@@ -291,14 +317,16 @@ class RunLock:
     @classmethod
     def acquire(cls, out: Path, warn: Callable[[str], None]) -> "RunLock":
         path = out / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"run folder {out}: cannot open {path} "
+                              f"({(e.strerror or str(e)).lower()})") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ConfigError(f"run folder {out} is in use by "
-                                  f"{_holder_text(_read_holder(fd))}; wait for it to end or "
-                                  "choose another folder") from None
+                raise _in_use(out, _read_holder(fd)) from None
             holder = _read_holder(fd)
             host = socket.gethostname()
             if holder is not None and holder.get("host") not in (None, host):
@@ -514,7 +542,8 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
                                                                    else {})))
     lock = RunLock.acquire(out, warn)
     try:
-        check_run_folder(out, resume)  # another process may have saved a checkpoint meanwhile
+        # another process may have saved a checkpoint meanwhile
+        check_run_folder(out, resume, locked=True)
         writer = RunWriter(out)
         if not resume:
             _write_atomic(out / RUN_FILE, _run_marker(config_text))
