@@ -22,7 +22,7 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
-from foxhunt_jax.errors import ConfigError, NonFiniteError
+from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.training import checkpoint, report
 from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
                                          to_jsonable)
@@ -273,7 +273,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
         tmp.write_text(json.dumps(to_jsonable(payload), indent=2))
         os.replace(tmp, path)
     except OSError as e:
-        raise ConfigError(f"cannot write {path} ({(e.strerror or str(e)).lower()})") from None
+        raise FoxhuntError(f"cannot write {path} ({(e.strerror or str(e)).lower()})") from None
     log(f"evaluation written to {path}")
     return metrics
 

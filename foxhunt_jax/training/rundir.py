@@ -181,8 +181,11 @@ def truncate_events(path: Path, epoch: int) -> None:
     from tensorboardX.proto import event_pb2  # late: only process 0 reads events
 
     data = Path(path).read_bytes()
+    records = _event_records(data)
+    if not records:  # torn within its first record, or not an event file: left as it is
+        return
     kept, scalars, dropped = [], 0, False
-    for framed, payload in _event_records(data):
+    for framed, payload in records:
         event = event_pb2.Event.FromString(payload)
         if event.step > epoch and (event.HasField("summary") or event.HasField("session_log")):
             dropped = True
@@ -221,7 +224,7 @@ def _folder_kind(out: Path) -> str:
 def _probe_writable(folder: Path, out: Path) -> None:
     """Creates and removes a file in ``folder``: catches read-only file systems, immutable
     folders and missing permissions alike (``os.access`` misses the first two, and root)."""
-    probe = folder / f".foxhunt-write-test-{os.getpid()}"
+    probe = folder / f".foxhunt-write-test-{os.getpid()}-{time.time_ns()}"
     try:
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError as e:
@@ -243,21 +246,25 @@ def check_run_folder(out: str | os.PathLike, resume: bool, *, locked: bool = Fal
     """
     out = Path(out)
     try:
-        if out.exists() or out.is_symlink():
-            if not out.is_dir():
-                raise ConfigError(f"run folder {out} exists and is not a folder")
-            kind = _folder_kind(out)
-        else:
-            parent = out.absolute().parent
-            while not (parent.exists() or parent.is_symlink()):
-                parent = parent.parent
-            if not parent.is_dir():
-                raise ConfigError(f"run folder {out}: {parent} is not a folder")
-            kind = "empty"
-            _probe_writable(parent, out)
+        return _check_run_folder(out, resume, locked)
     except PermissionError as e:
         raise ConfigError(f"run folder {out}: cannot read {e.filename} (permission denied)") \
             from None
+
+
+def _check_run_folder(out: Path, resume: bool, locked: bool) -> str:
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise ConfigError(f"run folder {out} exists and is not a folder")
+        kind = _folder_kind(out)
+    else:
+        parent = out.absolute().parent
+        while not (parent.exists() or parent.is_symlink()):
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"run folder {out}: {parent} is not a folder")
+        kind = "empty"
+        _probe_writable(parent, out)
     if kind == "other":
         raise ConfigError(f"run folder {out} is not empty and holds no run (no {RUN_FILE}); "
                           "choose a new or empty folder")
