@@ -169,6 +169,18 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
             ckpt.save(tmp_path, 2, make_state(2), {"epoch": 2})
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("2")]
     assert leftovers and all("tmp" in n for n in leftovers)  # partial step 2 is a temp dir
+    # A real crash ends the process; here the state item's writes of the failed save go on in
+    # orbax's threads for a moment, and the cleanup below must not race with them.
+    def listing():
+        try:
+            return sorted((str(p), p.stat().st_size) for p in tmp_path.rglob("*") if p.is_file())
+        except FileNotFoundError:  # a file renamed while listed: still moving
+            return None
+
+    before, deadline = None, time.time() + 10
+    while (listing() != before or before is None) and time.time() < deadline:
+        before = listing()
+        time.sleep(0.3)
     assert ckpt.latest_step(tmp_path) == 1
     got, meta = ckpt.restore(tmp_path, None, make_state(0))
     assert meta == {"epoch": 1}
