@@ -1,4 +1,5 @@
-"""orbax checkpoints: round trip, typed PRNG keys, atomicity, retention, the non-finite guard."""
+"""orbax checkpoints: round trip, typed PRNG keys, atomicity, retention, damaged steps that fall
+back to the newest intact one, the non-finite guard."""
 
 from __future__ import annotations
 
@@ -362,6 +363,7 @@ def test_no_intact_checkpoint_is_one_error_and_a_layout_change_is_not_damage(tmp
     _damage(tmp_path / "2", "truncate")
     _damage(tmp_path / "1", "layout")
     warnings = []
-    with pytest.raises(FoxhuntError, match=r"no intact checkpoint in .* \(steps 1, 2 are damaged\)"):
+    with pytest.raises(FoxhuntError,
+                       match=r"no intact checkpoint in .* \(steps 1, 2 are damaged\)"):
         ckpt.restore_latest(tmp_path, make_state(0), warn=warnings.append)
     assert len(warnings) == 2
