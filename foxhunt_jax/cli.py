@@ -144,8 +144,11 @@ def _args_train(p: argparse.ArgumentParser) -> None:
                    help="dotted override, e.g. --set train.epochs=5 (repeatable)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="market data replacing data.source (repeatable)")
-    p.add_argument("--out", metavar="DIR", default=None, help="run directory (default: runs/<config>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="run directory: new, empty, or a run of this program (default: "
+                        "runs/<config>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group(
         "several processes (hosts)",
@@ -190,8 +193,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.yaml"
         config = str(saved) if args.resume and saved.is_file() else "default"
     cfg = load_config(config, overrides)
-    if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
+    # api.train checks, marks and locks --out before it loads data or compiles
     api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
     import jax
 
@@ -204,7 +206,8 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
     p.add_argument("--split", choices=("validation", "test"), default="test")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
-                   help="evaluate on other market data (repeatable)")
+                   help="evaluate on other market data (repeatable); written to "
+                        "report/evaluate_<split>_<names>-<digest>.json")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

@@ -29,8 +29,8 @@ from foxhunt_jax.data.features import (FEATURE_NAMES, WARMUP, MarketTables, buil
 from foxhunt_jax.data.loader import frame_to_instruments, load_market
 from foxhunt_jax.data.market import Instrument, MarketData
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.training.rundir import STATISTICS_FILE
 
-STATISTICS_FILE = "normalization.json"
 PRICE_COLUMNS = ("open", "high", "low", "close")
 
 
