@@ -26,8 +26,9 @@ are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
   arrays, possibly still being computed), their completion clocks, and the moment this
   epoch's Validation was seen complete (where the next epoch's time starts).
 - ``run_epoch`` returns ``ahead.state``: the caller passes it, the same object, to the next
-  ``run_epoch``, which takes up the queued phases and queues only that epoch's Validation. Any
-  other state drops the ahead phases and runs its own.
+  ``run_epoch``, which takes up the queued phases instead of queueing them again, then queues
+  that epoch's Validation (and, if asked, the epoch after it). Any other state drops the ahead
+  phases and runs its own.
 - never checkpoint an ahead state: its counter counts an epoch whose Validation has not run
   and whose record has not been written, so a resume from it would not reproduce the run.
 - draining: ``run_epoch(ahead.state, queue_next=False)`` finishes the queued epoch and queues
@@ -57,16 +58,17 @@ from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import fused, phases
 from foxhunt_jax.training.phases import TrainerState
 
-PAIRED = "validation_experience"
+PAIRED_PROGRAM = "validation_experience"
 
 
 def state_shardings(state: TrainerState, mesh) -> TrainerState:
     """Shardings of a (possibly abstract) state: rollout and replay split along the shard axis,
     the agent, key and epoch replicated."""
-    rep, shd = parallel.replicated(mesh), parallel.sharded(mesh)
-    return TrainerState(agent=jax.tree.map(lambda _: rep, state.agent),
-                        buffer=jax.tree.map(lambda _: shd, state.buffer),
-                        rollout=jax.tree.map(lambda _: shd, state.rollout), key=rep, epoch=rep)
+    whole, split = parallel.replicated(mesh), parallel.sharded(mesh)
+    return TrainerState(agent=jax.tree.map(lambda _: whole, state.agent),
+                        buffer=jax.tree.map(lambda _: split, state.buffer),
+                        rollout=jax.tree.map(lambda _: split, state.rollout), key=whole,
+                        epoch=whole)
 
 
 def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
@@ -89,7 +91,7 @@ def program_key_config(cfg: Config, name: str) -> Config:
     backend loads the one the other compiled. ``train.pair_rollouts`` only decides whether the
     ``validation_experience`` program exists, so the other programs' keys leave it out.
     """
-    if name != PAIRED:
+    if name != PAIRED_PROGRAM:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     if name != "training":
         return cfg
@@ -177,27 +179,26 @@ class Pipeline:
         ``queued`` (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
         ``validation_experience``."""
         learner, cfg, mesh, inputs = self.learner, self.cfg, self.mesh, self.inputs
-        state_placement = state_shardings(state, mesh)
-        rep = parallel.replicated(mesh)
+        placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
         experience = jit(lambda p, s, e: phases.experience(learner, cfg, p, s, e, mesh),
-                         donate_argnums=1, in_shardings=(rep, state_placement, rep),
-                         out_shardings=(state_placement, rep))
+                         donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                         out_shardings=(placed, replicated))
         training = jit(lambda p, s, e: phases.training(learner, cfg, p, s, e),
-                       donate_argnums=1, in_shardings=(rep, state_placement, rep),
-                       out_shardings=(state_placement, rep), training=True)
+                       donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                       out_shardings=(placed, replicated), training=True)
         validation = jit(lambda p, w, a: phases.validation(learner, cfg, p, w, a))
         train_args = (inputs.train_env_params, state, inputs.schedule)
+        validation_args = (inputs.validation_env_params, inputs.window_starts)
         programs = {"experience": (experience, train_args),
                     "training": (training, train_args),
-                    "validation": (validation, (inputs.validation_env_params,
-                                                inputs.window_starts, self._local_agent(state)))}
+                    "validation": (validation, validation_args + (self._local_agent(state),))}
         if queued and self.pairs_rollouts:
-            paired = jit(lambda v, w, p, s, e: phases.validation_experience(learner, cfg, v, w,
-                                                                            p, s, e),
-                         donate_argnums=3, in_shardings=(rep, rep, rep, state_placement, rep),
-                         out_shardings=(rep, rep, state_placement, rep))
-            programs[PAIRED] = (paired, (inputs.validation_env_params, inputs.window_starts)
-                                + train_args)
+            paired = jit(lambda v, w, p, s, e: phases.validation_experience(
+                             learner, cfg, v, w, p, s, e),
+                         donate_argnums=3,
+                         in_shardings=(replicated, replicated, replicated, placed, replicated),
+                         out_shardings=(replicated, replicated, placed, replicated))
+            programs[PAIRED_PROGRAM] = (paired, validation_args + train_args)
         return programs
 
     def compile(self, state: TrainerState, *, threads: bool = True,
@@ -214,13 +215,16 @@ class Pipeline:
         """Compiles ``validation_experience`` where :attr:`pairs_rollouts` holds and it is not
         compiled yet (the first queued epoch of a pipeline compiled without it); returns the
         milliseconds it took, 0.0 when there was nothing to do."""
-        if not self.pairs_rollouts or PAIRED in self.programs:
+        if not self.pairs_rollouts or PAIRED_PROGRAM in self.programs:
             return 0.0
         start = time.perf_counter()
-        self._compile({PAIRED: self.jitted_programs(state, queued=True)[PAIRED]}, threads=False)
+        paired = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
+        self._compile({PAIRED_PROGRAM: paired}, threads=False)
         return (time.perf_counter() - start) * 1e3
 
     def _compile(self, jitted: dict, threads: bool) -> int:
+        """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns how many
+        the executable cache served."""
         def build(name):
             program, args = jitted[name]
             return compile_cached(program, args, name=name,
@@ -250,9 +254,9 @@ class Pipeline:
             state, experience, training = self._queue_experience_and_training(state)
 
         inputs, next_epoch = self.inputs, None
-        if queue_next and PAIRED in self.programs:
+        if queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
-            paths, loss, state, next_stats = self.programs[PAIRED](
+            paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
                 inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
                 state, inputs.schedule)
             validation = Queued((paths, loss), ready_clock((paths, loss)))
