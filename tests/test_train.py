@@ -153,9 +153,10 @@ def test_queued_experience_gives_the_same_epochs():
         assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # a state that is not the queued one runs its own Experience (the queued one is dropped)
-    state, _ = trainer.run_epoch(trainer.init_state(), queue_next=True)
+    state, rec = trainer.run_epoch(trainer.init_state(), queue_next=True)
     assert trainer.pipeline.ahead is not None and trainer.pipeline.ahead.state is state
+    assert int(state.epoch) == rec["epoch"] + 1  # ahead: the next epoch's Training is queued
+    # a state that is not the queued one runs its own Experience (the queued one is dropped)
     fresh, rec = trainer.run_epoch(trainer.init_state())
     assert trainer.pipeline.ahead is None and rec["epoch"] == 1
 
