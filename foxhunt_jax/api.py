@@ -25,9 +25,10 @@ from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace,
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.training import checkpoint, report
+from foxhunt_jax.training.phases import TrainerState, all_finite
 from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
                                          to_jsonable)
-from foxhunt_jax.training.trainer import Trainer, TrainerState, all_finite
+from foxhunt_jax.training.trainer import Trainer
 
 
 @dataclass
@@ -52,7 +53,8 @@ def phase_line(rec: dict, epochs: int) -> str:
 def compile_line(rec: dict, trainer: Trainer) -> str:
     """How the phase programs were obtained: compiled, or loaded from the executable cache."""
     ms, loaded = rec["phase_ms"], trainer.executables_loaded
-    how = (f"{loaded} of 3 loaded from the executable cache" if loaded
+    how = (f"{loaded} of {len(trainer.pipeline.programs)} loaded from the executable cache"
+           if loaded
            else "compiled; none was in the executable cache")
     return (f"phase programs ready in {ms['compile'] / 1e3:.1f} s ({how}); state init "
             f"{ms['init'] / 1e3:.1f} s")

@@ -437,9 +437,9 @@ def test_a_sharded_program_loads_onto_its_own_device_order(tmp_path):
 
 def test_both_backends_share_the_training_program_and_its_key():
     """The executable cache keys the training program without ``network.backend``
-    (``trainer.program_key_config``): that is sound only while both backends lower it to the
+    (``pipeline.program_key_config``): that is sound only while both backends lower it to the
     same program."""
-    from foxhunt_jax.training.trainer import program_key_config
+    from foxhunt_jax.training.pipeline import program_key_config
 
     texts, keys = {}, {}
     for backend in ("xla", "pallas"):

@@ -286,7 +286,7 @@ DEVICE_SCRIPT = textwrap.dedent('''
     result["local_shards"] = [s.data.shape[0] for s in state.buffer.priorities.addressable_shards]
     result["params_replicated"] = all(x.sharding.is_fully_replicated
                                       for x in jax.tree.leaves(state.agent.params))
-    hlo = tr._phases["training"].as_text()
+    hlo = tr.pipeline.programs["training"].as_text()
     result["all_reduce"], result["all_gather"] = "all-reduce" in hlo, "all-gather" in hlo
     # collection runs inside shard_map: each device over its own shards (Pallas kernels are
     # opaque to XLA's partitioner, which would otherwise run them over every shard everywhere)
