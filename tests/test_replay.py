@@ -19,6 +19,7 @@ import pytest
 
 from foxhunt_jax.agent import replay
 from foxhunt_jax.errors import ConfigError
+from pallas_kernels.tuning import REPLAY_COUNT_MAX
 
 ALPHA, EPS = 0.6, 1e-6
 CAP, FILLED = 64, 50  # sampling tests share one buffer shape, so _many_samples compiles once
@@ -176,7 +177,7 @@ def test_locate_matches_float64_inverse_cdf(monkeypatch, whole_blocks_max):
     assert np.mean(got != ref) < 1e-4
 
 
-@pytest.mark.parametrize("count_max", [0, replay._COUNT_MAX])
+@pytest.mark.parametrize("count_max", [0, REPLAY_COUNT_MAX])
 def test_block_search_equals_searchsorted(count_max):
     """Both forms of the block search (binary search; compare-and-count) give NumPy's
     searchsorted(side="right") exactly, ties, empty blocks and boundary points included."""
@@ -191,6 +192,18 @@ def test_block_search_equals_searchsorted(count_max):
         jnp.asarray(cum), jnp.asarray(u), count_max))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.searchsorted(cum, u, side="right"))
+
+
+def test_sample_draws_the_same_items_with_either_block_search():
+    """``count_max`` (the device's tuning) changes how a sample searches, not what it draws."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    state = replay.init({"x": jnp.zeros((), jnp.float32)}, 1 << 12)
+    state = replay.add(state, {"x": jnp.arange(1 << 12, dtype=jnp.float32)},
+                       jnp.asarray(rng.gamma(0.5, 1.0, 1 << 12), jnp.float32), 0.6)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    draws = [jax.jit(replay.sample, static_argnums=(2, 4))(state, key, 64, 0.5, c)
+             for c in (0, REPLAY_COUNT_MAX)]
+    chex.assert_trees_all_equal(draws[0], draws[1])
 
 
 def test_sampling_frequencies_and_weights_match_priorities():

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from foxhunt_jax.config import SyntheticConfig
+from foxhunt_jax.config import SyntheticConfig, from_dict, to_dict
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.data.market import (
     WARMUP_BARS,
@@ -45,6 +45,7 @@ from foxhunt_jax.data.market import (
     observed_bars_per_year,
     split_sizes,
 )
+from foxhunt_jax.data.synthetic import make_synthetic
 
 EPISODE_BARS = 2  # the shortest episode: one step reads bars s and s+1
 DEFAULT_SPLITS = (0.70, 0.15, 0.15)
@@ -171,8 +172,6 @@ def _load_source(src, *, sort, synthetic, min_bars, on_warning) -> list[Instrume
     if isinstance(src, str) and text.startswith("builtin:"):
         name, params = _parse_builtin(text)
         if name == "synthetic":
-            from foxhunt_jax.data.synthetic import make_synthetic
-
             cfg = _synthetic_config(text, synthetic or SyntheticConfig(), params)
             return list(make_synthetic(cfg).instruments)
         res = resources.files("foxhunt_jax.data") / "builtin" / BUILTIN_FILES[name]
@@ -206,8 +205,6 @@ def _parse_builtin(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _synthetic_config(text: str, base: SyntheticConfig, params: dict[str, str]) -> SyntheticConfig:
-    from foxhunt_jax.config import from_dict, to_dict
-
     known = {f.name for f in fields(SyntheticConfig)}
     for key in params:
         if key not in known:

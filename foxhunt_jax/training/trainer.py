@@ -37,6 +37,7 @@ from foxhunt_jax import parallel
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import (AgentState, Learner, beta_from, epsilon_from, init_agent,
                                        make_learner, schedule_values, train_steps)
+from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
@@ -113,15 +114,15 @@ def state_shardings(state: TrainerState, mesh) -> TrainerState:
                         rollout=jax.tree.map(lambda _: shd, state.rollout), key=rep, epoch=rep)
 
 
-def experience_phase(learner: Learner, cfg: Config, env_params, state: TrainerState, schedule,
-                     mesh=None):
+def experience_phase(learner: Learner, backend: Backend, cfg: Config, env_params,
+                     state: TrainerState, schedule, mesh=None):
     """``schedule``: :func:`~foxhunt_jax.agent.learner.schedule_values`; stats include the
     epoch's exploration rate. ``mesh``: where the shards live (each device collects its own,
     :func:`~foxhunt_jax.training.collect.collect_shards`)."""
     eps = epsilon_from(schedule, state.epoch)
     key, k = jax.random.split(state.key)
     rollout, items, priorities, rnd, stats = collect_shards(
-        learner, TRADING_ADAPTER, env_params, state.agent, state.rollout, k, eps,
+        learner, backend, TRADING_ADAPTER, env_params, state.agent, state.rollout, k, eps,
         cfg.env.episode_length, mesh)
     buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
                                cfg.replay.priority_eps)
@@ -144,15 +145,17 @@ def training_phase(learner: Learner, cfg: Config, env_params, state: TrainerStat
     return state.replace(agent=agent, buffer=buffer, key=key, epoch=state.epoch + 1), m
 
 
-def validation_phase(learner: Learner, cfg: Config, env_params, starts, agent: AgentState):
-    traj = validate.greedy_rollout(learner, agent.params, env_params, starts,
+def validation_phase(learner: Learner, backend: Backend, cfg: Config, env_params, starts,
+                     agent: AgentState):
+    traj = validate.greedy_rollout(learner, backend, agent.params, env_params, starts,
                                    cfg.env.episode_length, jax.random.key(0))
-    loss = validate.validation_loss(learner, agent.params, agent.target_params, env_params, traj)
+    loss = validate.validation_loss(learner, backend, agent.params, agent.target_params,
+                                    env_params, traj)
     return {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}, loss
 
 
-def validation_experience_phase(learner: Learner, cfg: Config, val_params, starts,
-                                train_params, state: TrainerState, schedule):
+def validation_experience_phase(learner: Learner, backend: Backend, cfg: Config, val_params,
+                                starts, train_params, state: TrainerState, schedule):
     """:func:`validation_phase` of ``state.agent`` and :func:`experience_phase` of the next
     epoch in one program. They share no data, so a GPU runs them at once: XLA's command
     buffers, scheduled as a DAG (:func:`foxhunt_jax.jitcache.compiler_options`), launch the
@@ -161,21 +164,22 @@ def validation_experience_phase(learner: Learner, cfg: Config, val_params, start
     no state, so the results equal the two phases run one after the other. Returns ``(val,
     val_loss, state, exp_stats)``.
     """
-    val, val_loss = validation_phase(learner, cfg, val_params, starts, state.agent)
-    return (val, val_loss) + experience_phase(learner, cfg, train_params, state, schedule)
+    val, val_loss = validation_phase(learner, backend, cfg, val_params, starts, state.agent)
+    return (val, val_loss) + experience_phase(learner, backend, cfg, train_params, state,
+                                              schedule)
 
 
-def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
+def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
     """Whether a queued epoch runs Validation and the next Experience as one program
     (:func:`validation_experience_phase`): ``train.pair_rollouts`` is on, both rollouts are
-    kernels (``network.backend=pallas``, :func:`~foxhunt_jax.training.fused.use_rollout_kernel`)
+    kernels (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`)
     and the phases run on one device (Validation runs on the mesh's first device, Experience on
     the whole mesh). Two rollout kernels run at once; two ``lax.scan`` rollouts of the XLA
     backend did not (the seed epoch took 18.2 ms paired against 16.5 on an H200, BENCHMARKS.md,
     session 11)."""
     n, w = cfg.train.num_episodes, cfg.train.validation_windows
-    return (cfg.train.pair_rollouts and fused.use_rollout_kernel(learner, n)
-            and fused.use_rollout_kernel(learner, w) and (mesh is None or mesh.size == 1))
+    return (cfg.train.pair_rollouts and backend.runs_rollout_kernel(n)
+            and backend.runs_rollout_kernel(w) and (mesh is None or mesh.size == 1))
 
 
 def _ready_time(tree) -> Callable[[], float]:
@@ -260,6 +264,7 @@ class Trainer:
     _schedule_dev: Any = None  # schedule_values on the mesh
     _queued: _Queued | None = None  # see run_epoch(queue_next=True)
     _val_bh: dict | None = None  # buy-and-hold metrics of the validation windows (fixed)
+    backend: Backend | None = None  # resolved once in build() from the config and the mesh
 
     @classmethod
     def build(cls, cfg: Config, market: MarketData | None = None,
@@ -276,9 +281,11 @@ class Trainer:
         env_params = {"train": parallel.put_replicated(params("train"), mesh),
                       "validation": jax.device_put(params("validation"),
                                                    parallel.local_device(mesh))}
-        learner = make_learner(cfg, cfg.env.branch_sizes)
+        backend = resolve(cfg.network, parallel.local_device(mesh))
+        learner = make_learner(cfg, cfg.env.branch_sizes,
+                               replay_count_max=backend.tuning.replay_count_max)
         starts = validate.window_starts(tables.starts["validation"], cfg.train.validation_windows)
-        tr = cls(cfg, market, tables, learner, env_params, starts, mesh=mesh)
+        tr = cls(cfg, market, tables, learner, env_params, starts, mesh=mesh, backend=backend)
         tr.init_ms = (time.perf_counter() - t0) * 1e3
         return tr
 
@@ -321,7 +328,7 @@ class Trainer:
         ``{name: (jitted, args)}`` for experience, training and validation; with ``queued``
         (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
         ``validation_experience``."""
-        lr, cfg = self.learner, self.cfg
+        lr, be, cfg = self.learner, self.backend, self.cfg
         tr, va = self.env_params["train"], self.env_params["validation"]
         # The state keeps its placement from epoch to epoch (so donation reuses its buffers);
         # metrics come back replicated, readable on every process. Validation runs on this
@@ -329,18 +336,19 @@ class Trainer:
         # the same numbers), so its program is the same for every mesh.
         sh, rep = self.shardings(state), parallel.replicated(self.mesh)
         mesh = self.mesh
-        exp = jit(lambda p, s, e: experience_phase(lr, cfg, p, s, e, mesh), donate_argnums=1,
+        exp = jit(lambda p, s, e: experience_phase(lr, be, cfg, p, s, e, mesh), donate_argnums=1,
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep))
         trn = jit(lambda p, s, b: training_phase(lr, cfg, p, s, b), donate_argnums=1,
                   in_shardings=(rep, sh, rep), out_shardings=(sh, rep), training=True)
-        val = jit(lambda p, st, a: validation_phase(lr, cfg, p, st, a))
+        val = jit(lambda p, st, a: validation_phase(lr, be, cfg, p, st, a))
         sched = self._schedule_device()
         programs = {"experience": (exp, (tr, state, sched)),
                     "training": (trn, (tr, state, sched)),
                     "validation": (val, (va, self._val_starts_device(),
                                          self._local_agent(state)))}
         if queued and self.pairs_rollouts:
-            both = jit(lambda v, st, p, s, e: validation_experience_phase(lr, cfg, v, st, p, s, e),
+            both = jit(lambda v, st, p, s, e: validation_experience_phase(lr, be, cfg, v, st, p, s,
+                                                                          e),
                        donate_argnums=3, in_shardings=(rep, rep, rep, sh, rep),
                        out_shardings=(rep, rep, sh, rep))
             programs["validation_experience"] = (both, (va, self._val_starts_device(), tr, state,
@@ -351,7 +359,7 @@ class Trainer:
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run Validation and the next Experience as one program
         (:func:`pairs_rollouts`)."""
-        return pairs_rollouts(self.learner, self.cfg, self.mesh)
+        return pairs_rollouts(self.backend, self.cfg, self.mesh)
 
     def compile(self, state: TrainerState, threads: bool = True, queued: bool = False) -> None:
         """Ahead-of-time compilation of the phase functions (timed as Compile).
@@ -531,7 +539,8 @@ class Trainer:
         walk = (jnp.asarray(starts), jnp.asarray(lengths))
 
         def run(env_p, net_params, key, starts_d, lengths_d):
-            return validate.greedy_rollout(lr, net_params, env_p, starts_d, steps, key, lengths_d)
+            return validate.greedy_rollout(lr, self.backend, net_params, env_p, starts_d, steps,
+                                           key, lengths_d)
 
         def run_random(env_p, key, starts_d, lengths_d):
             return validate.policy_rollout(env_p, starts_d, steps, validate.random_policy(sizes),
