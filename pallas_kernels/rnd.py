@@ -61,8 +61,9 @@ def split_bf16_xla(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`split_bf16`, the same bits for finite ``x``, written so that an XLA program keeps
     it. XLA on a GPU may drop a float32 -> bfloat16 -> float32 round trip
     (``xla_allow_excess_precision``, on by default), which makes :func:`split_bf16`'s ``lo``
-    zero there (the kernel's weights would then multiply as one bf16 product). Here ``hi`` is rounded with integer operations on the bits (to nearest, ties to
-    even), which no float simplification removes."""
+    zero there (the kernel's weights would then multiply as one bf16 product). Here ``hi`` is
+    rounded with integer operations on the bits (to nearest, ties to even), which no float
+    simplification removes."""
     bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
     odd = (bits >> 16) & jnp.uint32(1)
     hi = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x7FFF) + odd) & jnp.uint32(0xFFFF0000),

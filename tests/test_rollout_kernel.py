@@ -2,8 +2,8 @@
 
 Collection (epsilon-greedy, auto-reset) and greedy evaluation (per-episode lengths, ruin) run
 once through the scan of jnp functions (the ``xla`` backend) and once through the kernel in
-Pallas' interpret mode (the ``pallas`` backend), from the same keys: actions, bars and flags must be equal,
-money and observations equal to float32 rounding. A last test lowers both kernel modes for a
+Pallas' interpret mode (the ``pallas`` backend), from the same keys: actions, bars and flags
+must be equal, money and observations equal to float32 rounding. A last test lowers both kernel modes for a
 CUDA GPU on this CPU, which runs the whole Pallas-to-Triton lowering (every primitive the kernel
 uses must have a Triton rule) without a GPU.
 """

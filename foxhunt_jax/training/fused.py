@@ -38,7 +38,8 @@ def rollout_draws(branch_sizes, env_params, keys: jax.Array, num_episodes: int, 
 def collect_trajectory(learner, backend: Backend, env_params, agent_params, rollout,
                        keys: jax.Array, epsilon, num_steps: int):
     """The trading env's ``EnvAdapter.fused``: :func:`foxhunt_jax.training.collect.trajectory`
-    as ``backend.rollout`` kernels, in the launches of :func:`pallas_kernels.rollout.launch_spans`; ``keys [L, 3]`` are
+    as ``backend.rollout`` kernels, in the launches of
+    :func:`pallas_kernels.rollout.launch_spans`; ``keys [L, 3]`` are
     :func:`~foxhunt_jax.training.collect.step_keys`."""
     net = learner.network
     draws, reset_bars = rollout_draws(net.branch_sizes, env_params, keys, rollout.obs.shape[0],
