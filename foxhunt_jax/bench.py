@@ -139,7 +139,8 @@ def parse_kernel_configs(text: str):
     """``"grouped:128:8,per_action:64:4:64,grouped:128:8:16:128:2"`` -> KernelConfigs
     (layout:block_rows:num_warps, then optionally min_rows, max_chunk (0: the dtype's widest)
     and lookahead)."""
-    from pallas_kernels.q_forward import LAYOUTS, KernelConfig
+    from pallas_kernels.q_forward import LAYOUTS
+    from pallas_kernels.tuning import KernelConfig
 
     out = []
     for tok in text.split(","):

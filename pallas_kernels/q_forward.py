@@ -70,7 +70,6 @@ from pallas_kernels.tuning import MAX_CHUNK, KernelConfig, block_rows_for, for_d
 _ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LAYOUTS = ("grouped", "per_action")
-_next_pow2 = next_pow2
 
 
 def apply_draws(draws: jax.Array, greedy: jax.Array) -> jax.Array:
@@ -114,10 +113,10 @@ class Plan:
 
     @property
     def atoms_pad(self) -> int:
-        return max(_ALIGN, _next_pow2(self.atoms))
+        return max(_ALIGN, next_pow2(self.atoms))
 
     def actions_pad(self, d: int) -> int:
-        return _next_pow2(self.branch_sizes[d])
+        return next_pow2(self.branch_sizes[d])
 
     @property
     def q_offsets(self) -> tuple[int, ...]:
@@ -742,5 +741,5 @@ __all__ = ["fused_q_forward", "fused_logits", "fused_act", "fused_bootstrap_loss
            "forward_rows", "pick_logits",
            "TakenLogits", "read_blocks", "launch",
            "apply_draws", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
-           "LAYOUTS", "chunks", "block_rows_for",
+           "LAYOUTS", "chunks",
            "forward_flops"]

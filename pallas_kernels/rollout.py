@@ -30,7 +30,6 @@ per-step outputs are ``[L, C, N]`` so every store is a contiguous row of ``BM`` 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
