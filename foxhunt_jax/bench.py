@@ -855,9 +855,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                 out.setdefault("skipped", []).append(f"N={n} {backend}/{dtype}: time budget")
                 continue
             cfg = _variant_cfg(args, backend, dtype, [f"train.num_episodes={n}"])
-            backend = resolve(cfg.network)
+            resolved = resolve(cfg.network)
             learner = make_learner(cfg, cfg.env.branch_sizes,
-                                   replay_count_max=backend.tuning.replay_count_max)
+                                   replay_search=resolved.tuning.replay)
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
             kinds = [("rollout", dict(use_q=True, use_rnd=True))]
@@ -867,7 +867,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             for kind, flags in kinds:
                 row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
                 try:
-                    run = jit(make_rollout(learner, backend, TRADING_ADAPTER, env_p, length,
+                    run = jit(make_rollout(learner, resolved, TRADING_ADAPTER, env_p, length,
                                            **flags))
                     keys, eps_d = _call_inputs(jax.random.key(args.seed + 7), reps + 2, eps)
                     ms = time_calls(lambda: run(agent, rollout0, next(keys), eps_d), reps,
@@ -897,7 +897,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                     example["next_obs"] = example["obs"]
                     buf = replay.init(example, cap)
 
-                    def phase(agent, rollout, buf, key, e, _l=learner, _b=backend):
+                    def phase(agent, rollout, buf, key, e, _l=learner, _b=resolved):
                         r2, items, prio, rnd, stats = collect_mod.collect(
                             _l, _b, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
                         return r2, replay.add(buf, items, prio, cfg.replay.alpha,

@@ -57,6 +57,22 @@ def block_rows_for(n: int, cfg: KernelConfig) -> int:
 
 
 @dataclass(frozen=True)
+class ReplaySearch:
+    """How the replay buffer's two-level slot search runs; it finds the same slots either way.
+
+    Attributes:
+      count_max: the most ``[M, k]`` pairs the block search compares at once (one kernel,
+        where a binary search launches ~log2(k) dependent ones: pays on a GPU); 0 where work,
+        not launches, counts (the CPU).
+      whole_blocks_max: the largest ``M x S`` gather of whole blocks for the slot inside a
+        block; above it a block is searched in sub-blocks, which reads far less at large M.
+    """
+
+    count_max: int = 0
+    whole_blocks_max: int = 1 << 18
+
+
+@dataclass(frozen=True)
 class Tuning:
     """Everything device-dependent about how the kernels (and the replay's search) launch.
 
@@ -69,9 +85,7 @@ class Tuning:
       rollout_max_episodes: the most parallel episodes a rollout runs as one kernel; above it
         the scan of per-step kernels is the faster form (one program then holds too many
         episodes' state for the multiprocessors to stay occupied).
-      replay_count_max: the most ``[M, k]`` pairs the replay's block search compares at once
-        (one kernel where a binary search launches ~log2(k) dependent ones); 0 where work,
-        not launches, counts (the CPU).
+      replay: the replay buffer's search shape (:class:`ReplaySearch`).
     """
 
     compiled: bool
@@ -80,7 +94,7 @@ class Tuning:
     rollout: tuple[tuple[str, KernelConfig], ...]
     rnd: KernelConfig
     rollout_max_episodes: int
-    replay_count_max: int
+    replay: ReplaySearch
 
     def q_forward_config(self, dtype: str) -> KernelConfig:
         return dict(self.q_forward)[dtype]
@@ -101,7 +115,7 @@ _ROLLOUT = {dtype: dataclasses.replace(cfg, max_chunk=MAX_CHUNK[dtype], lookahea
             for dtype, cfg in _Q_FORWARD.items()}
 _RND = KernelConfig(block_rows=128, num_warps=8)
 ROLLOUT_MAX_EPISODES = 1 << 15
-REPLAY_COUNT_MAX = 1 << 24
+_REPLAY_GPU = ReplaySearch(count_max=1 << 24)
 
 
 def _table(compiled: bool, programs: int) -> Tuning:
@@ -110,7 +124,7 @@ def _table(compiled: bool, programs: int) -> Tuning:
     return Tuning(compiled=compiled, programs=programs, q_forward=shaped(_Q_FORWARD),
                   rollout=shaped(_ROLLOUT), rnd=dataclasses.replace(_RND, programs=programs),
                   rollout_max_episodes=ROLLOUT_MAX_EPISODES,
-                  replay_count_max=REPLAY_COUNT_MAX if compiled else 0)
+                  replay=_REPLAY_GPU if compiled else ReplaySearch())
 
 
 def is_cuda(device) -> bool:
@@ -128,5 +142,5 @@ def for_device(device=None) -> Tuning:
     return _table(is_cuda(device), int(cores) if cores else DEFAULT_PROGRAMS)
 
 
-__all__ = ["KernelConfig", "Tuning", "for_device", "is_cuda", "block_rows_for", "next_pow2",
-           "DEFAULT_PROGRAMS", "MAX_CHUNK", "ROLLOUT_MAX_EPISODES", "REPLAY_COUNT_MAX"]
+__all__ = ["KernelConfig", "ReplaySearch", "Tuning", "for_device", "is_cuda", "block_rows_for",
+           "next_pow2", "DEFAULT_PROGRAMS", "MAX_CHUNK", "ROLLOUT_MAX_EPISODES"]

@@ -101,7 +101,7 @@ def run(iterations: int = ITERATIONS, seed: int = 0) -> dict:
     cfg = load_config(None, OVERRIDES + [f"train.seed={seed}", f"train.epochs={iterations}",
                                          f"train.epsilon_decay_epochs={decay}"])
     backend = resolve(cfg.network)
-    learner = make_learner(cfg, (2,), replay_count_max=backend.tuning.replay_count_max)
+    learner = make_learner(cfg, (2,), replay_search=backend.tuning.replay)
     key = jax.random.PRNGKey(seed)
     k_agent, k_env, k_run, k_eval = jax.random.split(key, 4)
     agent = init_agent(k_agent, learner, 4)

@@ -56,7 +56,8 @@ def test_the_tuning_follows_the_device():
     assert not cpu.compiled and h200.compiled and small.compiled
     assert (cpu.programs, h200.programs, small.programs) == (tuning.DEFAULT_PROGRAMS, 132, 33)
     assert tuning.for_device(SimpleNamespace(platform="gpu")).programs == tuning.DEFAULT_PROGRAMS
-    assert cpu.replay_count_max == 0 < h200.replay_count_max
+    assert cpu.replay.count_max == 0 < h200.replay.count_max
+    assert cpu.replay.whole_blocks_max == h200.replay.whole_blocks_max
     for dtype in ("float32", "bfloat16"):
         for table in (cpu, h200, small):
             assert table.q_forward_config(dtype).programs == table.programs

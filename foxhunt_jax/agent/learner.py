@@ -35,6 +35,7 @@ from foxhunt_jax.agent.loss import bootstrap_loss
 from foxhunt_jax.agent.network import (QNetwork, explore_actions, greedy_actions, init_params,
                                        q_forward, support as make_support, taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
+from pallas_kernels.tuning import ReplaySearch
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
 
@@ -54,9 +55,9 @@ class AgentState:
 class Learner:
     """Static pieces of the learner: network, optimizer and hyper-parameters (hashable for jit).
 
-    ``replay_count_max``: the replay's block-search threshold (:func:`replay.sample`), a
-    launch-shape number of the device (``Backend.tuning.replay_count_max``); 0 is right on
-    every device, only slower on a GPU.
+    ``replay_search``: how the replay's slot search runs (:func:`replay.sample`), a shape of
+    the device (``Backend.tuning.replay``); the default is right on every device, only slower
+    on a GPU.
     """
 
     network: QNetwork
@@ -65,7 +66,7 @@ class Learner:
     train_cfg: TrainConfig
     replay_cfg: ReplayConfig
     curiosity_cfg: CuriosityConfig
-    replay_count_max: int = 0
+    replay_search: ReplaySearch = ReplaySearch()
 
     @property
     def support(self) -> jax.Array:
@@ -79,9 +80,9 @@ class Learner:
 
 
 def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
-                 replay_count_max: int = 0) -> Learner:
-    """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_count_max`` as
-    :class:`Learner` (the trainer passes its backend's tuning)."""
+                 replay_search: ReplaySearch = ReplaySearch()) -> Learner:
+    """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_search`` as
+    :class:`Learner` (the trainer passes its backend's ``tuning.replay``)."""
     net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
                    head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
     t = cfg.train
@@ -91,7 +92,7 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
                                           optax.adam(t.learning_rate, eps=t.adam_eps)))
     return Learner(net, optimizer, cfg.network, t, cfg.replay,
                    curiosity.resolve_precision(cfg.curiosity, cfg.network.dtype),
-                   int(replay_count_max))
+                   replay_search)
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
@@ -191,12 +192,12 @@ def sample_batch(learner: Learner, decode: Decode, buffer: replay.ReplayState, k
     ``[S, M/S]`` (slots of each shard).
     """
     m = learner.train_cfg.batch_size
-    count_max = learner.replay_count_max
+    search = learner.replay_search
     if replay.num_shards(buffer) is None:
-        items, indices, weights = replay.sample(buffer, key, m, beta, count_max)
+        items, indices, weights = replay.sample(buffer, key, m, beta, search)
     else:
         items, indices, weights = replay.sample_shards(buffer, key, m, beta,
-                                                       count_max)  # [S, M/S, ...]
+                                                       search)  # [S, M/S, ...]
         flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
         items, weights = jax.tree.map(flat, items), flat(weights)
     obs, next_obs = decode(items)

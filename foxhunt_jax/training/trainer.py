@@ -283,7 +283,7 @@ class Trainer:
                                                    parallel.local_device(mesh))}
         backend = resolve(cfg.network, parallel.local_device(mesh))
         learner = make_learner(cfg, cfg.env.branch_sizes,
-                               replay_count_max=backend.tuning.replay_count_max)
+                               replay_search=backend.tuning.replay)
         starts = validate.window_starts(tables.starts["validation"], cfg.train.validation_windows)
         tr = cls(cfg, market, tables, learner, env_params, starts, mesh=mesh, backend=backend)
         tr.init_ms = (time.perf_counter() - t0) * 1e3
