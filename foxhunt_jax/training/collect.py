@@ -52,9 +52,10 @@ class EnvAdapter:
         (no auto-reset; obs/state are those after the step, before any reset)
     encode(obs [D], state) -> enc (what the replay buffer stores for an observation)
     decode(enc [M, ...], params) -> obs [M, D]
-    fused (optional): a kernel form of :func:`trajectory`, same arguments and result, used
-        where the backend runs rollout kernels (:meth:`~foxhunt_jax.backend.Backend.
-        runs_rollout_kernel`)
+    fused (optional): a kernel form of :func:`trajectory`, ``fused(learner, backend,
+        env_params, agent_params, rollout, keys [L, 3], epsilon, num_steps) -> (rollout,
+        traj)`` with :func:`step_keys`' keys and :func:`trajectory`'s result, used where the
+        backend runs rollout kernels (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`)
     max_episode_steps (optional): ``(params) -> int``, static: the steps after which an episode
         is truncated, so that the initial priorities know how many truncations a window can
         hold (:func:`next_greedy`; without it, every step may be one)
