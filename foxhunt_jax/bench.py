@@ -140,7 +140,8 @@ def parse_kernel_configs(text: str):
     """``"grouped:128:8,per_action:64:4:64,grouped:128:8:16:128:2"`` -> KernelConfigs
     (layout:block_rows:num_warps, then optionally min_rows, max_chunk (0: the dtype's widest)
     and lookahead)."""
-    from pallas_kernels.q_forward import LAYOUTS, KernelConfig
+    from pallas_kernels.q_forward import LAYOUTS
+    from pallas_kernels.tuning import KernelConfig
 
     out = []
     for tok in text.split(","):
@@ -290,7 +291,8 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
 
     from foxhunt_jax.agent.network import make_network, q_forward, support as make_support
     from foxhunt_jax.jitcache import jit
-    from pallas_kernels.q_forward import default_config, forward_flops, fused_q_forward
+    from pallas_kernels.q_forward import forward_flops, fused_q_forward
+    from pallas_kernels.tuning import for_device
 
     cfg = _variant_cfg(args, "xla", "float32")
     sizes = cfg.env.branch_sizes
@@ -314,7 +316,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                                     jnp.float32) * 2.0
         # Both backends are timed returning expected Q and actions (one Pallas program per
         # launch shape serves the check and the timing; writing Q is ~64 B a row).
-        f_xla = jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+        f_xla = jit(lambda p, o: q_forward(p, o, net, z, with_q=True))
         ref_q, ref_a = f_xla(params, obs_chk)
         ref_q = np.concatenate([np.asarray(x) for x in ref_q], axis=1)
         ref_a = np.asarray(ref_a)
@@ -328,7 +330,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             # the float32 kernel lost (BENCHMARKS.md) and its Triton compile takes minutes
             out.setdefault("skipped", []).append("pallas/float32: --forward-f32-kernel not set")
             continue
-        default = default_config(dtype)
+        default = for_device().q_forward_config(dtype)
         for kc in [default] + [c for c in args.kernel_configs if c != default]:
             name = kernel_config_name(kc)
             if not deadline.ok(30):
@@ -375,11 +377,10 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
     import jax
     import numpy as np
 
-    from foxhunt_jax.agent.network import taken_logits
     from foxhunt_jax.jitcache import jit
 
-    fns = {b: jit(lambda p, o, a, _b=b: taken_logits(p, o, a, net, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, a, _b=be: _b.taken_logits(p, o, a, net))
+           for b, be in _named_backends().items()}
 
     def actions(n, seed):  # fresh uniform actions per branch
         keys = jax.random.split(jax.random.key(seed), len(net.branch_sizes))
@@ -393,6 +394,14 @@ def _logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops
                     "Flax")
 
 
+def _named_backends() -> dict:
+    """Both backends on this device, by name, for the sections that time them side by side."""
+    from foxhunt_jax import backend
+    from pallas_kernels.tuning import for_device
+
+    return {name: backend.make(name, for_device()) for name in backend.NAMES}
+
+
 def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops: int) -> None:
     """The collection forward (``network.act``: greedy actions, and each branch's logits of the
     action taken under explore draws at epsilon 0.1) on XLA against the fused kernel, timed at
@@ -401,10 +410,11 @@ def _act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops
     import jax
     import numpy as np
 
-    from foxhunt_jax.agent.network import act, explore_draws
+    from foxhunt_jax.agent.network import explore_draws
     from foxhunt_jax.jitcache import jit
 
-    fns = {b: jit(lambda p, o, r, _b=b: act(p, o, r, net, z, _b)) for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, r, _b=be: _b.act(p, o, r, net, z))
+           for b, be in _named_backends().items()}
 
     def draws(n, seed):
         return explore_draws(jax.random.key(seed), n, net.branch_sizes, 0.1)
@@ -437,11 +447,10 @@ def _loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flop
     import jax.numpy as jnp
     import numpy as np
 
-    from foxhunt_jax.agent.loss import bootstrap_loss
     from foxhunt_jax.jitcache import jit
 
-    fns = {b: jit(lambda p, o, a, _b=b: bootstrap_loss(p, o, *a, net, z, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, a, _b=be: _b.bootstrap_loss(p, o, *a, net, z))
+           for b, be in _named_backends().items()}
 
     def loss_inputs(n, seed):
         nb = len(net.branch_sizes)
@@ -472,21 +481,21 @@ def _curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int,
     from foxhunt_jax.agent import curiosity
     from foxhunt_jax.jitcache import jit
     from pallas_kernels import rnd as rnd_kernel
-    from pallas_kernels.q_forward import KernelConfig
+    from pallas_kernels.tuning import KernelConfig, for_device
 
     c = dc.replace(cfg.curiosity, precision="bf16x3")
     d = int(obs_chk.shape[1])
     rnd = curiosity.init(jax.random.key(seed + 3), d, c)
     flops = 2 * 2 * (d * c.hidden + c.hidden * c.hidden + c.hidden * c.embed)
-    fns = {b: jit(lambda r, o, _, _b=b: curiosity.prediction_error(r, o, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda r, o, _, _b=be: _b.novelty(r, o))
+           for b, be in _named_backends().items()}
     to_f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     _check_and_time(out, fns, rnd, obs_chk, inputs, lambda n, s: None, (17, 18), reps, flops,
                     "bfloat16", "curiosity", "curiosity pass (bf16 x3)", to_f64,
                     "novelty_rel_err", "XLA")
     shapes = {KernelConfig(block_rows=kc.block_rows, num_warps=kc.num_warps,
                            min_rows=kc.min_rows, min_warps=min(kc.num_warps, 4))
-              for kc in kernel_configs} - {rnd_kernel.DEFAULT_CONFIG}
+              for kc in kernel_configs} - {for_device().rnd}
     for kc in sorted(shapes, key=lambda k: (k.block_rows, k.num_warps, k.min_rows)):
         name = f"rnd:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
         shaped = jit(lambda r, o, _, _kc=kc: rnd_kernel.prediction_error(
@@ -773,7 +782,7 @@ def child_main(args) -> dict:
     return res
 
 
-def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = True,
+def make_rollout(learner, backend, adapter, env_params, num_steps: int, *, use_q: bool = True,
                  use_rnd: bool = True):
     """The collection loop alone: ``run(agent, rollout, key, epsilon) -> (rollout, traj)``.
 
@@ -794,10 +803,10 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
         if not use_q:
             return trading.rollout(key, env_params, trading.random_policy(
                 learner.network.branch_sizes), rollout.obs.shape[0], num_steps)
-        rollout, traj = collect.trajectory(learner, adapter, env_params, agent.params, rollout,
-                                           key, epsilon, num_steps)
+        rollout, traj = collect.trajectory(learner, backend, adapter, env_params, agent.params,
+                                           rollout, key, epsilon, num_steps)
         if use_rnd and agent.rnd is not None:
-            traj = dict(traj, novelty=collect.trajectory_novelty(learner, adapter, env_params,
+            traj = dict(traj, novelty=collect.trajectory_novelty(backend, adapter, env_params,
                                                                  agent.rnd, traj["next_obs"]))
         return rollout, traj
 
@@ -814,6 +823,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
 
     from foxhunt_jax.agent import replay
     from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.backend import resolve
     from foxhunt_jax.jitcache import jit
     from foxhunt_jax.training import collect as collect_mod
     from foxhunt_jax.env.trading import PORTFOLIO_DIM
@@ -846,7 +856,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                 out.setdefault("skipped", []).append(f"N={n} {backend}/{dtype}: time budget")
                 continue
             cfg = _variant_cfg(args, backend, dtype, [f"train.num_episodes={n}"])
-            learner = make_learner(cfg, cfg.env.branch_sizes)
+            resolved = resolve(cfg.network)
+            learner = make_learner(cfg, cfg.env.branch_sizes,
+                                   replay_search=resolved.tuning.replay)
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
             kinds = [("rollout", dict(use_q=True, use_rnd=True))]
@@ -856,7 +868,8 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             for kind, flags in kinds:
                 row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
                 try:
-                    run = jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
+                    run = jit(make_rollout(learner, resolved, TRADING_ADAPTER, env_p, length,
+                                           **flags))
                     keys, eps_d = _call_inputs(jax.random.key(args.seed + 7), reps + 2, eps)
                     ms = time_calls(lambda: run(agent, rollout0, next(keys), eps_d), reps,
                                     warmup=1)
@@ -885,9 +898,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                     example["next_obs"] = example["obs"]
                     buf = replay.init(example, cap)
 
-                    def phase(agent, rollout, buf, key, e, _l=learner):
+                    def phase(agent, rollout, buf, key, e, _l=learner, _b=resolved):
                         r2, items, prio, rnd, stats = collect_mod.collect(
-                            _l, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
+                            _l, _b, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
                         return r2, replay.add(buf, items, prio, cfg.replay.alpha,
                                               cfg.replay.priority_eps), stats
 
@@ -940,6 +953,7 @@ def rollout_equality(args, market, n: int) -> dict:
     import numpy as np
 
     from foxhunt_jax.agent.learner import init_agent, make_learner
+    from foxhunt_jax.backend import resolve
     from foxhunt_jax.jitcache import jit
     from foxhunt_jax.training import collect
     from foxhunt_jax.training.trainer import TRADING_ADAPTER
@@ -957,8 +971,8 @@ def rollout_equality(args, market, n: int) -> dict:
         if agent is None:
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
-        run = jit(lambda a, r, k, _l=learner: collect.trajectory(
-            _l, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
+        run = jit(lambda a, r, k, _l=learner, _b=resolve(c.network): collect.trajectory(
+            _l, _b, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
         trajs[backend] = jax.device_get(run(agent, rollout, jax.random.key(args.seed + 1)))
     ref, got = trajs["xla"], trajs["pallas"]
     same = np.all(ref["action"] == got["action"], axis=(0, 2))  # [N]

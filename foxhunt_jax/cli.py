@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from foxhunt_jax import __version__
+from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, FoxhuntError
 
 

@@ -70,12 +70,11 @@ class NetworkConfig:
     v_min: float = -10.0
     v_max: float = 10.0
     dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
-    # collection, validation and inference: "xla" (lax.scan over the Flax layers and the jnp
-    # env step), "pallas" (Pallas kernels: the whole trading rollout in one kernel,
-    # pallas_kernels/rollout.py, and the fused Q-forward; bfloat16 only: they win there and the
-    # float32 kernel loses on an H200, BENCHMARKS.md; interpreted, slowly, off CUDA GPUs) or
-    # "auto": pallas on a CUDA GPU with bfloat16, else xla (the faster one, as measured).
-    # Training always uses the Flax layers.
+    # collection, validation and inference (foxhunt_jax.backend.resolve): "xla" (lax.scan over
+    # the Flax layers and the jnp env step), "pallas" (Pallas kernels: the whole trading rollout
+    # in one kernel and the fused Q-forward; bfloat16 only, where they are faster than XLA;
+    # interpreted, slowly, off CUDA GPUs) or "auto": pallas on a CUDA GPU with bfloat16, else
+    # xla. Training always uses the Flax layers.
     backend: str = "auto"
 
 

@@ -230,9 +230,10 @@ def test_collect_shards_equals_per_shard_collect_with_pooled_rnd_statistics(back
         """Sharded collection, and plain collection of each shard with its fold_in key."""
         agent = init_agent(jax.random.PRNGKey(0), learner, tr.obs_dim)
         rollouts = start_shards(TRADING_ADAPTER, params, key, s, 16)
-        out = collect_shards(learner, TRADING_ADAPTER, params, agent, rollouts, key, eps, steps)
+        out = collect_shards(learner, tr.backend, TRADING_ADAPTER, params, agent, rollouts, key,
+                             eps, steps)
         keys = parallel.shard_keys(key, s)
-        per_shard = jax.vmap(lambda k: collect(learner, TRADING_ADAPTER, params, agent,
+        per_shard = jax.vmap(lambda k: collect(learner, tr.backend, TRADING_ADAPTER, params, agent,
                                                start(TRADING_ADAPTER, params, k, 8), k, eps,
                                                steps))(keys)
         return out, per_shard

@@ -79,9 +79,9 @@ def test_step_replays_the_evaluation_walk_of_the_test_split(policy, market):
     cfg = policy.cfg
     tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
     env_params, starts, lengths = validate.evaluation_params(tables, cfg.env, "test")
-    walk = validate.greedy_rollout(policy.core.learner, policy.params, env_params,
-                                   jnp.asarray(starts), int(lengths.max()), jax.random.key(0),
-                                   jnp.asarray(lengths))
+    walk = validate.greedy_rollout(policy.core.learner, policy.core.backend, policy.params,
+                                   env_params, jnp.asarray(starts), int(lengths.max()),
+                                   jax.random.key(0), jnp.asarray(lengths))
     bar_tables = policy.bar_tables(market)
     offsets = np.concatenate([[0], np.cumsum([len(t["close"]) for t in bar_tables])])
     for i, table in enumerate(bar_tables):

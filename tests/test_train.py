@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from foxhunt_jax import api
-from foxhunt_jax.agent.learner import beta_at, epsilon_at, make_learner
+from foxhunt_jax.agent.learner import beta_at, epsilon_at
+from foxhunt_jax.backend import resolve
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import NonFiniteError
@@ -189,12 +190,12 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     # paired by default where both rollouts are kernels on one device; not with the XLA
     # backend, the setting off, or a mesh of several devices (Validation runs on one)
     kernels = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
-    learner = make_learner(kernels, kernels.env.branch_sizes)
-    assert pipeline.pairs_rollouts(learner, kernels, SimpleNamespace(size=1))
-    assert not pipeline.pairs_rollouts(learner, kernels, SimpleNamespace(size=2))
+    pallas = resolve(kernels.network)
+    assert pipeline.pairs_rollouts(pallas, kernels, SimpleNamespace(size=1))
+    assert not pipeline.pairs_rollouts(pallas, kernels, SimpleNamespace(size=2))
     switched_off = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
                                          "train.pair_rollouts=false"])
-    assert not pipeline.pairs_rollouts(learner, switched_off, None)
+    assert not pipeline.pairs_rollouts(pallas, switched_off, None)
     assert not trainer.pairs_rollouts  # XLA
     # the setting keys only the paired program: the others load from the executable cache
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))

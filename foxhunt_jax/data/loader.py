@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from foxhunt_jax.config import SyntheticConfig
+from foxhunt_jax.config import SyntheticConfig, from_dict, to_dict
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem, require_memory
 from foxhunt_jax.data.features import tables_peak_bytes
@@ -242,8 +242,6 @@ def _parse_builtin(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _synthetic_config(text: str, base: SyntheticConfig, params: dict[str, str]) -> SyntheticConfig:
-    from foxhunt_jax.config import from_dict, to_dict
-
     known = {f.name for f in fields(SyntheticConfig)}
     for key in params:
         if key not in known:

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from foxhunt_jax import __version__
+from foxhunt_jax.version import __version__
+from foxhunt_jax.backend import make as make_backend
 from foxhunt_jax.config import to_dict
 from foxhunt_jax.data import features
 from foxhunt_jax.env import trading
@@ -120,7 +121,7 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not an empty folder")
-    core = dataclasses.replace(policy.core, backend="xla")
+    core = dataclasses.replace(policy.core, backend=make_backend("xla", policy.core.backend.tuning))
     decide, step = exported_functions(core)
     (n,) = jax.export.symbolic_shape("n")
     num_features = len(features.FEATURE_NAMES)

@@ -6,8 +6,8 @@ its close. :func:`step` is exactly the env's :func:`~foxhunt_jax.env.trading.adv
 t to the new bar t+1 followed by the greedy decision at t+1; the env functions run on a
 two-row table per instrument (row 0 the current bar, row 1 the new one), so the portfolio and
 barrier accounting is the env's own. The decision is the network forward training and
-evaluation use (:func:`~foxhunt_jax.agent.network.q_forward` for the greedy actions and
-expected Q, :func:`~foxhunt_jax.agent.network.taken_logits` for the chosen actions' return
+evaluation use (the resolved backend's ``q_forward`` for the greedy actions and
+expected Q, its ``taken_logits`` for the chosen actions' return
 distributions), batched over instruments.
 
 Shapes: ``N`` instruments, ``F`` features, ``B`` branches, ``n_d`` actions of branch d,
@@ -29,7 +29,8 @@ import numpy as np
 from flax import struct
 
 from foxhunt_jax.agent.learner import Learner, make_learner
-from foxhunt_jax.agent.network import expected_q, q_forward, taken_logits
+from foxhunt_jax.agent.network import expected_q
+from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config, EnvConfig, from_dict, read_yaml, to_dict
 from foxhunt_jax.data.features import MarketTables
 from foxhunt_jax.env import trading
@@ -100,7 +101,7 @@ class Core:
 
     learner: Learner
     env_cfg: EnvConfig
-    backend: str
+    backend: Backend
 
     @functools.cached_property
     def template(self) -> trading.EnvParams:
@@ -139,13 +140,13 @@ def _still(bar: BarInputs) -> BarInputs:
 
 def _forward(core: Core, params, obs: jax.Array, per_row: bool):
     """Greedy actions [N, B], expected Q per branch [N, n_d] and the chosen actions' logits per
-    branch [N, K]: :func:`q_forward` and :func:`taken_logits` of the run's network and backend.
+    branch [N, K]: the backend's ``q_forward`` and ``taken_logits`` of the run's network.
     ``per_row`` maps them over the rows (what an export with a symbolic batch needs)."""
     net, z = core.learner.network, core.learner.support
 
     def forward(o):
-        q, actions = q_forward(params, o, net, z, core.backend, with_q=True)
-        return q, actions, taken_logits(params, o, actions, net, core.backend)
+        q, actions = core.backend.q_forward(params, o, net, z, with_q=True)
+        return q, actions, core.backend.taken_logits(params, o, actions, net)
 
     return jax.vmap(forward)(obs) if per_row else forward(obs)
 
@@ -310,7 +311,7 @@ class Policy:
         note = (f"last agent (epoch {epoch})" if agent == "last" else
                 f"selected agent requested; runs do not record a validation-selected agent "
                 f"yet, so this is the last agent (epoch {epoch})")
-        core = Core(learner=learner, env_cfg=cfg.env, backend=learner.net_cfg.backend)
+        core = Core(learner=learner, env_cfg=cfg.env, backend=resolve(cfg.network))
         return cls(core, params, cfg, stats, run, epoch, "last", note)
 
     # --- bars -> inputs ------------------------------------------------------------------

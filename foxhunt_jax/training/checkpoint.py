@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.errors import FoxhuntError, NonFiniteError
+from foxhunt_jax.training.rundir import to_jsonable
 
 KEEP = 2
 DIGESTS_FILE = "digests.json"
@@ -249,8 +250,6 @@ def save(ckpt_dir: str | os.PathLike, step: int, state: Any, metadata: dict,
     replaces it. Returns the step directory.
     """
     import orbax.checkpoint as ocp
-
-    from foxhunt_jax.training.rundir import to_jsonable
 
     meta = to_jsonable(metadata)
     leaves, layout, _ = _layout(state)

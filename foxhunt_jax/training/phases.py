@@ -22,6 +22,7 @@ from flax import struct
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import (AgentState, Learner, beta_from, epsilon_from, init_agent,
                                        train_steps)
+from foxhunt_jax.backend import Backend
 from foxhunt_jax.config import Config
 from foxhunt_jax.env import trading
 from foxhunt_jax.training import fused, validate
@@ -79,8 +80,8 @@ def initial_state(learner: Learner, cfg: Config, train_env_params, key: jax.Arra
                         epoch=jnp.zeros((), jnp.int32))
 
 
-def experience(learner: Learner, cfg: Config, train_env_params, state: TrainerState,
-               schedule: jax.Array, mesh=None) -> tuple[TrainerState, dict]:
+def experience(learner: Learner, backend: Backend, cfg: Config, train_env_params,
+               state: TrainerState, schedule: jax.Array, mesh=None) -> tuple[TrainerState, dict]:
     """L epsilon-greedy steps of the N episodes in flight, their transitions added to replay.
 
     ``schedule``: the ``[6]`` array of :func:`~foxhunt_jax.agent.learner.schedule_values`;
@@ -95,8 +96,8 @@ def experience(learner: Learner, cfg: Config, train_env_params, state: TrainerSt
     epsilon = epsilon_from(schedule, state.epoch)
     key, collect_key = jax.random.split(state.key)
     rollout, items, priorities, rnd, stats = collect_shards(
-        learner, TRADING_ADAPTER, train_env_params, state.agent, state.rollout, collect_key,
-        epsilon, cfg.env.episode_length, mesh)
+        learner, backend, TRADING_ADAPTER, train_env_params, state.agent, state.rollout,
+        collect_key, epsilon, cfg.env.episode_length, mesh)
     buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
                                cfg.replay.priority_eps)
     agent = state.agent.replace(rnd=rnd)
@@ -130,23 +131,23 @@ def training(learner: Learner, cfg: Config, train_env_params, state: TrainerStat
     return state.replace(agent=agent, buffer=buffer, key=key, epoch=epoch), metrics
 
 
-def validation(learner: Learner, cfg: Config, validation_env_params, window_starts: jax.Array,
-               agent: AgentState) -> tuple[dict, jax.Array]:
+def validation(learner: Learner, backend: Backend, cfg: Config, validation_env_params,
+               window_starts: jax.Array, agent: AgentState) -> tuple[dict, jax.Array]:
     """Greedy rollouts of the W fixed validation windows (``window_starts`` ``[W]`` bars, L
     steps each) and the C51 loss on their transitions; changes no state.
 
     Returns ``(paths, loss)``: ``paths`` holds ``[L, W]`` arrays ``equity``, ``exposure`` and
     ``traded``; ``loss`` is a float32 ``[]``.
     """
-    traj = validate.greedy_rollout(learner, agent.params, validation_env_params, window_starts,
-                                   cfg.env.episode_length, jax.random.key(0))
-    loss = validate.validation_loss(learner, agent.params, agent.target_params,
+    traj = validate.greedy_rollout(learner, backend, agent.params, validation_env_params,
+                                   window_starts, cfg.env.episode_length, jax.random.key(0))
+    loss = validate.validation_loss(learner, backend, agent.params, agent.target_params,
                                     validation_env_params, traj)
     paths = {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}
     return paths, loss
 
 
-def validation_experience(learner: Learner, cfg: Config, validation_env_params,
+def validation_experience(learner: Learner, backend: Backend, cfg: Config, validation_env_params,
                           window_starts: jax.Array, train_env_params, state: TrainerState,
                           schedule: jax.Array) -> tuple[dict, jax.Array, TrainerState, dict]:
     """:func:`validation` of ``state.agent`` and the next epoch's :func:`experience` as one
@@ -156,5 +157,6 @@ def validation_experience(learner: Learner, cfg: Config, validation_env_params,
     the two called one after the other. In one program the two rollouts share no data, so a
     device may run them at once.
     """
-    paths, loss = validation(learner, cfg, validation_env_params, window_starts, state.agent)
-    return (paths, loss) + experience(learner, cfg, train_env_params, state, schedule)
+    paths, loss = validation(learner, backend, cfg, validation_env_params, window_starts,
+                             state.agent)
+    return (paths, loss) + experience(learner, backend, cfg, train_env_params, state, schedule)

@@ -53,9 +53,10 @@ import jax
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner
+from foxhunt_jax.backend import Backend
 from foxhunt_jax.config import Config
 from foxhunt_jax.jitcache import compile_cached, jit
-from foxhunt_jax.training import fused, phases
+from foxhunt_jax.training import phases
 from foxhunt_jax.training.phases import TrainerState
 
 PAIRED_PROGRAM = "validation_experience"
@@ -71,15 +72,15 @@ def state_shardings(state: TrainerState, mesh) -> TrainerState:
                         epoch=whole)
 
 
-def pairs_rollouts(learner: Learner, cfg: Config, mesh) -> bool:
+def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
     """Whether queued epochs run Validation and the next Experience as one program: the setting
     ``train.pair_rollouts`` is on, both rollouts are kernels
-    (:func:`~foxhunt_jax.training.fused.use_rollout_kernel`), and the phases run on one device
+    (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`), and the phases run on one device
     (Validation runs on the mesh's first device, Experience on the whole mesh). Two rollout
     kernels run at once on a GPU; two ``lax.scan`` rollouts do not (docs/training.md)."""
     return (cfg.train.pair_rollouts
-            and fused.use_rollout_kernel(learner, cfg.train.num_episodes)
-            and fused.use_rollout_kernel(learner, cfg.train.validation_windows)
+            and backend.runs_rollout_kernel(cfg.train.num_episodes)
+            and backend.runs_rollout_kernel(cfg.train.validation_windows)
             and (mesh is None or mesh.size == 1))
 
 
@@ -163,8 +164,10 @@ class EpochResults(NamedTuple):
 class Pipeline:
     """The compiled phase programs of one trainer, and the epoch that may be queued ahead."""
 
-    def __init__(self, learner: Learner, cfg: Config, mesh, inputs: ProgramInputs):
-        self.learner, self.cfg, self.mesh, self.inputs = learner, cfg, mesh, inputs
+    def __init__(self, learner: Learner, backend: Backend, cfg: Config, mesh,
+                 inputs: ProgramInputs):
+        self.learner, self.backend, self.cfg, self.mesh = learner, backend, cfg, mesh
+        self.inputs = inputs
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
 
@@ -172,21 +175,22 @@ class Pipeline:
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run the ``validation_experience`` program
         (:func:`pairs_rollouts`)."""
-        return pairs_rollouts(self.learner, self.cfg, self.mesh)
+        return pairs_rollouts(self.backend, self.cfg, self.mesh)
 
     def jitted_programs(self, state: TrainerState, queued: bool = False) -> dict:
         """``{name: (jitted, example_args)}`` of experience, training and validation; with
         ``queued`` (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
         ``validation_experience``."""
-        learner, cfg, mesh, inputs = self.learner, self.cfg, self.mesh, self.inputs
+        learner, backend, cfg, mesh = self.learner, self.backend, self.cfg, self.mesh
+        inputs = self.inputs
         placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
-        experience = jit(lambda p, s, e: phases.experience(learner, cfg, p, s, e, mesh),
+        experience = jit(lambda p, s, e: phases.experience(learner, backend, cfg, p, s, e, mesh),
                          donate_argnums=1, in_shardings=(replicated, placed, replicated),
                          out_shardings=(placed, replicated))
         training = jit(lambda p, s, e: phases.training(learner, cfg, p, s, e),
                        donate_argnums=1, in_shardings=(replicated, placed, replicated),
                        out_shardings=(placed, replicated), training=True)
-        validation = jit(lambda p, w, a: phases.validation(learner, cfg, p, w, a))
+        validation = jit(lambda p, w, a: phases.validation(learner, backend, cfg, p, w, a))
         train_args = (inputs.train_env_params, state, inputs.schedule)
         validation_args = (inputs.validation_env_params, inputs.window_starts)
         programs = {"experience": (experience, train_args),
@@ -194,7 +198,7 @@ class Pipeline:
                     "validation": (validation, validation_args + (self._local_agent(state),))}
         if queued and self.pairs_rollouts:
             paired = jit(lambda v, w, p, s, e: phases.validation_experience(
-                             learner, cfg, v, w, p, s, e),
+                             learner, backend, cfg, v, w, p, s, e),
                          donate_argnums=3,
                          in_shardings=(replicated, replicated, replicated, placed, replicated),
                          out_shardings=(replicated, replicated, placed, replicated))

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from foxhunt_jax import __version__
+from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, DataError
 
 METRICS_FILE = "metrics.jsonl"

@@ -23,6 +23,7 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner, make_learner, schedule_values
+from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
@@ -52,6 +53,7 @@ class Trainer:
     market: MarketData
     tables: MarketTables
     learner: Learner
+    backend: Backend  # resolved once in build() from the config and the mesh's device
     env_params: dict[str, Any]
     validation_starts: np.ndarray  # [W] int32 first bars of the fixed validation windows
     mesh: Any  # jax.sharding.Mesh over the devices that run the phases
@@ -77,7 +79,8 @@ class Trainer:
                           trading.make_params(tables, cfg.env, "train"), mesh),
                       "validation": jax.device_put(
                           trading.make_params(tables, cfg.env, "validation"), local)}
-        learner = make_learner(cfg, cfg.env.branch_sizes)
+        backend = resolve(cfg.network, local)
+        learner = make_learner(cfg, cfg.env.branch_sizes, replay_search=backend.tuning.replay)
         validation_starts = validate.window_starts(tables.starts["validation"],
                                                    cfg.train.validation_windows)
         inputs = ProgramInputs(
@@ -85,8 +88,8 @@ class Trainer:
             window_starts=jax.device_put(validation_starts, local),
             # epsilon and beta follow the state's epoch counter on the device
             schedule=parallel.put_replicated(schedule_values(cfg.replay, cfg.train), mesh))
-        trainer = cls(cfg, market, tables, learner, env_params, validation_starts, mesh,
-                      Pipeline(learner, cfg, mesh, inputs))
+        trainer = cls(cfg, market, tables, learner, backend, env_params, validation_starts, mesh,
+                      Pipeline(learner, backend, cfg, mesh, inputs))
         trainer.init_ms = (time.perf_counter() - start) * 1e3
         return trainer
 
@@ -206,12 +209,12 @@ class Trainer:
         """
         split_params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env,
                                                                    split)
-        steps, learner = int(lengths.max()), self.learner
+        steps, learner, backend = int(lengths.max()), self.learner, self.backend
         walk = (jnp.asarray(starts), jnp.asarray(lengths))
 
         def run_greedy(env_params, network_params, key, walk_starts, walk_lengths):
-            return validate.greedy_rollout(learner, network_params, env_params, walk_starts,
-                                           steps, key, walk_lengths)
+            return validate.greedy_rollout(learner, backend, network_params, env_params,
+                                           walk_starts, steps, key, walk_lengths)
 
         def run_random(env_params, key, walk_starts, walk_lengths):
             return validate.policy_rollout(env_params, walk_starts, steps,

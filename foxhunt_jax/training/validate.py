@@ -1,4 +1,4 @@
-"""Greedy validation and full-split evaluation of the trading agent (DESIGN 3.10).
+"""Greedy validation and full-split evaluation of the trading agent.
 
 * Per-epoch validation: a fixed set of windows of L bars (starts evenly spaced over the valid
   starts of the validation split, so every instrument with room for a window gets its share;
@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.agent.learner import Learner
-from foxhunt_jax.agent.loss import bootstrap_loss, n_step_targets
-from foxhunt_jax.agent.network import q_forward, taken_logits
+from foxhunt_jax.agent.loss import n_step_targets
+from foxhunt_jax.backend import Backend
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
 from foxhunt_jax.training.collect import greedy_after
+from foxhunt_jax.training.fused import evaluate_trajectory
 
 
 def window_starts(starts: np.ndarray, count: int) -> np.ndarray:
@@ -93,29 +94,27 @@ def _record(env_params, t, lengths, alive, bar, portfolio, next_bar, next_portfo
             "traded": traded & alive, "alive": alive}
 
 
-def greedy_policy(learner: Learner, params):
-    """The agent's greedy actions (highest expected Q per branch); ignores key and state."""
+def greedy_policy(learner: Learner, backend: Backend, params):
+    """The agent's greedy actions (highest expected Q per branch, ``backend.q_forward``);
+    ignores key and state."""
     def policy(key, obs, state):
         del key, state
-        return q_forward(params, obs, learner.network, learner.support,
-                         learner.net_cfg.backend)[1]
+        return backend.q_forward(params, obs, learner.network, learner.support)[1]
     return policy
 
 
-def greedy_rollout(learner: Learner, params, env_params, starts: jax.Array, num_steps: int,
-                   key: jax.Array, lengths: jax.Array | None = None):
-    """:func:`policy_rollout` of the agent's :func:`greedy_policy`; with
-    ``network.backend=pallas`` and up to ``fused.MAX_KERNEL_EPISODES`` windows the whole rollout
-    is one kernel (:mod:`foxhunt_jax.training.fused`, tested equal)."""
-    from foxhunt_jax.training.fused import evaluate_trajectory, use_rollout_kernel
-
-    if not use_rollout_kernel(learner, starts.shape[0]):
-        return policy_rollout(env_params, starts, num_steps, greedy_policy(learner, params), key,
-                              lengths)
+def greedy_rollout(learner: Learner, backend: Backend, params, env_params, starts: jax.Array,
+                   num_steps: int, key: jax.Array, lengths: jax.Array | None = None):
+    """:func:`policy_rollout` of the agent's :func:`greedy_policy`; where ``backend`` runs the
+    rollout of that many windows as a kernel, the whole rollout is one
+    (:func:`foxhunt_jax.training.fused.evaluate_trajectory`, tested equal)."""
+    if not backend.runs_rollout_kernel(starts.shape[0]):
+        return policy_rollout(env_params, starts, num_steps,
+                              greedy_policy(learner, backend, params), key, lengths)
 
     w = starts.shape[0]
     lengths = jnp.full((w,), num_steps, jnp.int32) if lengths is None else jnp.asarray(lengths)
-    raw = evaluate_trajectory(learner, params, env_params, starts, num_steps, lengths)
+    raw = evaluate_trajectory(learner, backend, params, env_params, starts, num_steps, lengths)
     return _record(env_params, raw["step"], lengths, raw["alive"], raw["bar"], raw["portfolio"],
                    raw["next_bar"], raw["next_portfolio"], raw["action"], raw["reward"],
                    raw["terminated"], raw["truncated"], raw["equity"], raw["traded"])
@@ -161,8 +160,9 @@ def oracle_policy(last_log_return, env_cfg):
     return policy
 
 
-def validation_loss(learner: Learner, params, target_params, env_params, traj) -> jax.Array:
-    """Mean C51 loss over the held-out transitions of a validation rollout.
+def validation_loss(learner: Learner, backend: Backend, params, target_params, env_params,
+                    traj) -> jax.Array:
+    """Mean C51 loss over the held-out transitions of a validation rollout, on ``backend``.
 
     The learner's loss (:func:`~foxhunt_jax.agent.learner.per_sample_loss`), except that the
     online network's greedy action at a bootstrap observation is the rollout's own where the
@@ -179,19 +179,20 @@ def validation_loss(learner: Learner, params, target_params, env_params, traj) -
     rows = jnp.arange(steps)[:, None] + offsets - 1
     take = lambda x: jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
-    net, z, backend = learner.network, learner.support, learner.net_cfg.backend
+    net, z = learner.network, learner.support
     # the greedy action at each step's next observation: the next step's action, or a forward
     per_window = min(steps, max(1, steps - env_params.episode_length + 1))
-    greedy = greedy_after(learner, params, traj["action"], traj["truncated"] & traj["alive"],
+    greedy = greedy_after(learner, backend, params, traj["action"],
+                          traj["truncated"] & traj["alive"],
                           {"bar": traj["next_bar"], "portfolio": traj["next_portfolio"]},
                           lambda e: trading.decode(e, env_params), per_window * w)
     obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
                                "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
-    losses = bootstrap_loss(target_params, next_obs, flat(take(greedy)),
-                            taken_logits(params, obs, flat(traj["action"]), net, backend),
-                            flat(returns), flat(discounts), net, z, backend)
+    losses = backend.bootstrap_loss(target_params, next_obs, flat(take(greedy)),
+                                    backend.taken_logits(params, obs, flat(traj["action"]), net),
+                                    flat(returns), flat(discounts), net, z)
     weight = flat(traj["alive"]).astype(jnp.float32)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
