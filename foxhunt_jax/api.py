@@ -147,6 +147,9 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     trainer = Trainer.build(cfg, devices=devices)
     if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
         log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
+    note = parallel.unused_devices_note(trainer.mesh, cfg.train.shards)
+    if note is not None and devices is None:
+        log(note)
     state = trainer.init_state()
     if resume:
         state, _, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)

@@ -303,9 +303,14 @@ DEVICE_SCRIPT = textwrap.dedent('''
     state2, rec = tr2.run_epoch(state2)
     result["two"] = [strip(rec)]
     try:
-        Trainer.build(load_config("smoke", overrides + ["train.shards=4"]))
+        Trainer.build(load_config("smoke", overrides + ["train.shards=4"]), devices=devs)
     except ConfigError as e:
         result["error"] = str(e)
+    # the default devices: train.shards=1 (a config's default) starts on one of the 8 and says so
+    from foxhunt_jax import parallel
+    single = Trainer.build(load_config("smoke", overrides + ["train.shards=1"]))
+    result["default_devices"] = int(single.mesh.devices.size)
+    result["note"] = parallel.unused_devices_note(single.mesh, 1)
     print("RESULT " + json.dumps(result))
 ''')
 
@@ -343,3 +348,5 @@ def test_same_result_on_1_2_and_8_devices_and_restore_on_another_count(tmp_path)
     assert res["params_replicated"] and res["all_reduce"] and not res["all_gather"]
     assert res["collect_per_device"]
     assert "train.shards" in res["error"] and "device count 8" in res["error"]
+    assert res["default_devices"] == 1
+    assert "1 of this host's 8 devices" in res["note"] and "multiple of 8" in res["note"]
