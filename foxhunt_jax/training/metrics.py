@@ -223,15 +223,30 @@ def portfolio_by_date(equity, exposure, traded, bar_dates: Sequence[np.ndarray])
             "exposure": mean(sums["exposure"]), "trades": sums["trades"], "instruments": count}
 
 
-def portfolio_metrics(portfolio: dict, bars_per_year: float) -> dict | list:
-    """:func:`trading_metrics` of a :func:`portfolio_by_date` curve (one window: its dates'
-    bars), or a list of them over its leading axes flattened."""
+# Metrics of trading activity: a portfolio reports them pooled over its instruments' bars.
+ACTIVITY_KEYS = ("turnover", "trades", "hit_rate", "time_in_market")
+
+
+def portfolio_metrics(portfolio: dict, paths: dict, bars_per_year: float) -> dict | list:
+    """The metrics of a :func:`portfolio_by_date` portfolio: :func:`trading_metrics` of its
+    curve (one window over its dates), except :data:`ACTIVITY_KEYS`, which are
+    :func:`trading_metrics` of the instruments' walks ``paths`` (``equity [..., W, L+1]``,
+    ``exposure``, ``traded``) pooled: per-instrument turnover, all trades, the share of
+    instrument bars in the market and the share of those that paid. With leading axes, a list
+    over them flattened."""
     e, x, tr = portfolio["equity"], portfolio["exposure"], portfolio["trades"]
-    if e.ndim == 1:
-        return trading_metrics(e, x, tr, bars_per_year)
-    k = e.shape[-1]
-    return [trading_metrics(a, b, c, bars_per_year) for a, b, c in
-            zip(e.reshape(-1, k), x.reshape(-1, k - 1), tr.reshape(-1, k - 1))]
+    k, (w, n) = e.shape[-1], paths["equity"].shape[-2:]
+    flat = lambda a, shape: np.reshape(a, (-1,) + shape)  # noqa: E731
+    out = []
+    for curve, held, traded, pe, px, pt in zip(
+            flat(e, (k,)), flat(x, (k - 1,)), flat(tr, (k - 1,)),
+            flat(paths["equity"], (w, n)), flat(paths["exposure"], (w, n - 1)),
+            flat(paths["traded"], (w, n - 1))):
+        metrics = trading_metrics(curve, held, traded, bars_per_year)
+        pooled = trading_metrics(pe, px, pt, bars_per_year)
+        out.append({key: pooled[key] if key in ACTIVITY_KEYS else value
+                    for key, value in metrics.items()})
+    return out[0] if e.ndim == 1 else out
 
 
 PERCENTILES = (5, 50, 95)
@@ -293,8 +308,9 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
                   for name, p in paths.items()}
     rand = portfolio_by_date(random_paths["equity"], random_paths["exposure"],
                              random_paths["traded"], bar_dates)
-    metrics = {name: portfolio_metrics(p, bars_per_year) for name, p in portfolios.items()}
-    samples = portfolio_metrics(rand, bars_per_year)
+    metrics = {name: portfolio_metrics(portfolios[name], p, bars_per_year)
+               for name, p in paths.items()}
+    samples = portfolio_metrics(rand, random_paths, bars_per_year)
     metrics["random"] = {"policies": len(samples), **metric_percentiles(samples)}
     metrics["agent_percentile"] = beat_percentiles(metrics["agent"], samples)
     names = [n if list(instruments).count(n) == 1 else f"{n}#{w}"
@@ -313,4 +329,4 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
 
 __all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
            "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
-           "beat_percentiles", "evaluation_results", "PERCENTILES", "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]
+           "beat_percentiles", "evaluation_results", "PERCENTILES", "ACTIVITY_KEYS", "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]
