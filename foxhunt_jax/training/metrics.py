@@ -2,7 +2,9 @@
 
 These run once per epoch (validation) and once per evaluation on small arrays, so clarity wins
 over speed: no JAX here. The same function scores the agent, buy-and-hold and the random policy,
-so the three are always comparable.
+so the three are always comparable. The last section builds what a full-split evaluation
+reports: each policy's walks as one equal-weight portfolio by date, the random policies'
+percentiles and the agent's rank among them (:func:`evaluation_results`).
 
 Definitions (``W`` windows, ``T`` bars per window, ``E[w, t]`` equity, ``x[w, t]`` exposure):
 
@@ -258,7 +260,7 @@ LOWER_IS_BETTER = ("annualized_volatility", "max_drawdown", "max_drawdown_worst"
 
 def metric_percentiles(samples: Sequence[dict], q: Sequence[int] = PERCENTILES) -> dict:
     """``{"p5": {metric: value}, "p50": ..., "p95": ...}`` over metric dicts (``np.percentile``,
-    linear interpolation; a non-finite value counts as its IEEE order, NaN ignored)."""
+    linear interpolation, NaN values left out)."""
     out = {f"p{p}": {} for p in q}
     for key in samples[0]:
         values = np.asarray([s[key] for s in samples], np.float64)
@@ -329,4 +331,5 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
 
 __all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
            "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
-           "beat_percentiles", "evaluation_results", "PERCENTILES", "ACTIVITY_KEYS", "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]
+           "beat_percentiles", "evaluation_results", "PERCENTILES", "ACTIVITY_KEYS",
+           "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]
