@@ -414,6 +414,6 @@ def dump_yaml(cfg: Config) -> str:
 
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
-    "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace", "validate",
-    "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+    "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace",
+    "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
 ]
