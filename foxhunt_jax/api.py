@@ -36,7 +36,7 @@ class TrainResult:
     state: TrainerState
     trainer: Trainer
     history: list[dict]
-    summary: dict  # final validation/test metrics of agent, buy-and-hold and random
+    summary: dict  # final validation/test metrics (metrics.evaluation_results' layout)
 
 
 def phase_line(rec: dict, epochs: int) -> str:
@@ -211,16 +211,16 @@ def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], ou
                   log) -> dict:
     summary: dict[str, Any] = {"epochs": int(state.epoch),
                                "bars_per_year": trainer.market.bars_per_year}
-    curves = {}
+    evaluations = {}
     # Every process evaluates a local copy of the (replicated) agent on its own default device.
     agent = parallel.to_host(state.agent)
     for split in ("validation", "test"):
-        res = trainer.evaluate_split(agent, split)
-        summary[split] = {name: r["metrics"] for name, r in res.items()}
-        curves[split] = {name: r["curve"] for name, r in res.items()}
-        log(report.metrics_table(summary[split], title=f"{split} split (full walk)"))
+        evaluations[split] = trainer.evaluate_split(agent, split)
+        summary[split] = evaluations[split]["metrics"]
+        log(report.evaluation_table(summary[split], title=f"{split} split (full walk, "
+                                                           "equal-weight portfolio)"))
     if out is not None and jax.process_index() == 0:
-        report.write_report(out, summary, curves, history)
+        report.write_report(out, summary, evaluations, history)
     return summary
 
 
@@ -258,20 +258,23 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
 
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
              log: Callable[[str], None] | None = None) -> dict:
-    """Greedy full-split evaluation of a trained run against buy-and-hold and random.
+    """Greedy full-split evaluation of a trained run against buy-and-hold, flat and the random
+    policies.
 
     ``data`` evaluates the trained agent on other market data (same features and config).
     Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data),
-    names it in a line, and returns the metrics by policy.
+    names it in a line, and returns its ``metrics``: the layout of
+    :func:`~foxhunt_jax.training.metrics.evaluation_results` (portfolio metrics by policy,
+    ``random`` percentiles, ``agent_percentile``, ``per_instrument``).
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
     log = log or print
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
-    res = trainer.evaluate_split(parallel.to_host(state.agent), split)
-    metrics = {name: r["metrics"] for name, r in res.items()}
-    log(report.metrics_table(metrics, title=f"{split} split (full walk)"))
+    metrics = trainer.evaluate_split(parallel.to_host(state.agent), split)["metrics"]
+    log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
+                                              "portfolio)"))
     run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
     path = evaluation_path(run_dir, split, data, run_data)
     payload = {"split": split, "data": data or list(trainer.cfg.data.source),

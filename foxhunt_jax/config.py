@@ -132,6 +132,15 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """The full-split evaluation of the final report and ``evaluate``."""
+
+    # random policies (the agent's exploration draw, the same costs) walked beside the agent in
+    # one program; the reports give their 5th, 50th and 95th percentiles of every metric
+    random_policies: int = 200
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -139,6 +148,7 @@ class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +400,8 @@ def validate(cfg: Config) -> Config:
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)
+    _check(cfg.eval.random_policies >= 1, "eval.random_policies", "must be >= 1",
+           cfg.eval.random_policies)
     for key, value in (("train.num_episodes", t.num_episodes), ("train.batch_size", t.batch_size),
                        ("replay.capacity", r.capacity)):
         _check(value % t.shards == 0, key, f"must be a multiple of train.shards ({t.shards})", value)
@@ -402,6 +414,6 @@ def dump_yaml(cfg: Config) -> str:
 
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
-    "CuriosityConfig", "TrainConfig", "load_config", "from_dict", "replace", "validate",
-    "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+    "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace",
+    "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
 ]

@@ -64,7 +64,12 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
     assert checkpoint.latest_step(out / "checkpoints") == 3
     summary = json.loads((out / "report" / "summary.json").read_text())
     for split in ("validation", "test"):
-        assert {"agent", "buy_and_hold", "random"} <= set(summary[split])
+        assert {"agent", "buy_and_hold", "flat", "random", "agent_percentile",
+                "per_instrument"} <= set(summary[split])
+        random = summary[split]["random"]
+        assert random["policies"] == cfg.eval.random_policies == 200
+        assert random["p5"]["sharpe"] <= random["p50"]["sharpe"] <= random["p95"]["sharpe"]
+        assert 0 <= summary[split]["agent_percentile"]["sharpe"] <= 100
     for png in ("equity_validation.png", "equity_test.png", "training.png", "phases.png"):
         assert (out / "report" / png).stat().st_size > 10_000
     assert res.history == recs

@@ -31,7 +31,7 @@ from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import validate
-from foxhunt_jax.training.metrics import trading_metrics
+from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
 from foxhunt_jax.training.phases import (TRADING_ADAPTER, TrainerState, initial_agent,
                                          initial_state)
 from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs,
@@ -200,26 +200,32 @@ class Trainer:
         return dict(self._validation_buy_and_hold)
 
     def evaluate_split(self, agent: AgentState, split: str, seed: int = 0) -> dict:
-        """Full-split greedy evaluation vs buy-and-hold and random: metrics and mean equity curves.
+        """Full-split greedy walk of the agent beside the baselines, as portfolios by date.
 
-        On ``builtin:synthetic`` data an ``oracle`` row (the policy that trades the planted
-        signal, :func:`validate.oracle_policy`) is added. Curves are the mean over instruments
-        of each one's equity, step by step from the split's first bar (instruments that ended
-        drop out of the mean).
+        Every instrument with a bar in ``split`` is walked from its first bar to its last by the
+        agent (greedy), buy-and-hold, flat (cash), on ``builtin:synthetic`` data the oracle
+        (:func:`validate.oracle_policy`), and ``eval.random_policies`` random policies
+        (:func:`validate.random_walks`, one program). Each policy's walks make one equal-weight
+        portfolio by date (:func:`~foxhunt_jax.training.metrics.portfolio_by_date`): its curve
+        is what the figures draw and its metrics what the tables show.
+
+        Returns :func:`~foxhunt_jax.training.metrics.evaluation_results`: ``dates``,
+        ``curves``, ``exposure``, ``metrics`` (JSON-able: what summary.json and ``evaluate``
+        write) and ``paths`` (per instrument).
         """
         split_params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env,
                                                                    split)
         steps, learner, backend = int(lengths.max()), self.learner, self.backend
         walk = (jnp.asarray(starts), jnp.asarray(lengths))
+        branch_sizes, policies = self.cfg.env.branch_sizes, self.cfg.eval.random_policies
 
         def run_greedy(env_params, network_params, key, walk_starts, walk_lengths):
             return validate.greedy_rollout(learner, backend, network_params, env_params,
                                            walk_starts, steps, key, walk_lengths)
 
         def run_random(env_params, key, walk_starts, walk_lengths):
-            return validate.policy_rollout(env_params, walk_starts, steps,
-                                           validate.random_policy(self.cfg.env.branch_sizes), key,
-                                           walk_lengths)
+            return validate.random_walks(env_params, walk_starts, steps, key, walk_lengths,
+                                         branch_sizes, policies)
 
         def run_oracle(env_params, last_log_return, walk_starts, walk_lengths):
             oracle = validate.oracle_policy(last_log_return, self.cfg.env)
@@ -231,16 +237,20 @@ class Trainer:
             # length and the argument shapes: the executable cache can serve it
             compiled, _ = compile_cached(jit(fn), args, name=f"evaluate_{name}",
                                          config={"config": self.cfg, "steps": steps})
-            return validate.equity_paths(compiled(*args))
+            return compiled(*args)
 
-        paths = {"agent": walk_with("agent", run_greedy, split_params, agent.params,
-                                    jax.random.key(seed), *walk)}
+        paths = {"agent": validate.equity_paths(walk_with(
+            "agent", run_greedy, split_params, agent.params, jax.random.key(seed), *walk))}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
-            paths["oracle"] = walk_with("oracle", run_oracle, split_params,
-                                        jnp.asarray(self.tables.last_log_return), *walk)
+            paths["oracle"] = validate.equity_paths(walk_with(
+                "oracle", run_oracle, split_params, jnp.asarray(self.tables.last_log_return),
+                *walk))
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables.close, starts, lengths,
                                                             self.cfg.env.cost_bps / 1e4)
-        paths["random"] = walk_with("random", run_random, split_params,
-                                    jax.random.key(seed + 1), *walk)
-        return {name: {"metrics": self._metrics(p), "curve": np.nanmean(p["equity"], axis=0)}
-                for name, p in paths.items()}
+        paths["flat"] = validate.flat_paths(lengths)
+        random = validate.walk_paths(walk_with("random", run_random, split_params,
+                                               jax.random.key(seed + 1), *walk))
+
+        dates = validate.walk_dates(self.tables.timestamps, starts, lengths)
+        names = [self.tables.instrument_names[int(self.tables.instrument[s])] for s in starts]
+        return evaluation_results(paths, random, dates, names, self.market.bars_per_year)

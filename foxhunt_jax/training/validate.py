@@ -9,7 +9,9 @@
 
 Both return equity paths; :mod:`foxhunt_jax.training.metrics` turns them into trading metrics.
 Buy-and-hold buys one unit of equity at the first close (paying the proportional cost) and
-marks it at every later close; the random policy draws every branch uniformly with a fixed key.
+marks it at every later close; the flat policy stays in cash; the random policies draw every
+branch uniformly (the agent's exploration draw), many of them in one program
+(:func:`random_walks`).
 
 A policy here is ``policy(key, obs [W, D], state) -> actions [W, B] int32`` where ``state`` is
 the batched :class:`~foxhunt_jax.env.trading.EnvState` the observation was made from. The
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.agent.learner import Learner
+from foxhunt_jax.agent.network import explore_draws
 from foxhunt_jax.agent.loss import n_step_targets
 from foxhunt_jax.backend import Backend
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
@@ -121,13 +124,27 @@ def greedy_rollout(learner: Learner, backend: Backend, params, env_params, start
 
 
 def random_policy(branch_sizes):
-    """Every branch uniform over its actions; ignores state."""
+    """Every branch uniform over its actions, independently: the random draw of the agent's
+    epsilon-greedy exploration (:func:`~foxhunt_jax.agent.network.explore_draws` at epsilon 1);
+    ignores state."""
     def policy(key, obs, state):
         del state
-        keys = jax.random.split(key, len(branch_sizes))
-        return jnp.stack([jax.random.randint(k, (obs.shape[0],), 0, n, jnp.int32)
-                          for k, n in zip(keys, branch_sizes)], axis=-1)
+        return explore_draws(key, obs.shape[0], branch_sizes, 1.0)
     return policy
+
+
+def random_walks(env_params, starts: jax.Array, num_steps: int, key: jax.Array,
+                 lengths: jax.Array, branch_sizes, policies: int) -> dict:
+    """``policies`` random policies (:func:`random_policy`, policy ``p`` drawing from
+    ``split(key, policies)[p]``), each walking every window of :func:`policy_rollout`; one
+    traced program (vmap over the policies). Returns ``[P, W, L]`` arrays ``equity``,
+    ``exposure``, ``traded`` and ``action [P, W, L, B]``."""
+    def walk(k):
+        traj = policy_rollout(env_params, starts, num_steps, random_policy(branch_sizes), k,
+                              lengths)
+        return {name: jnp.swapaxes(traj[name], 0, 1)
+                for name in ("equity", "exposure", "traded", "action")}
+    return jax.vmap(walk)(jax.random.split(key, policies))
 
 
 def oracle_policy(last_log_return, env_cfg):
@@ -203,6 +220,29 @@ def equity_paths(traj) -> dict:
     eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
     return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
             "traded": np.asarray(traj["traded"]).T}
+
+
+def walk_paths(walks: dict) -> dict:
+    """:func:`random_walks`' arrays as host NumPy paths: ``equity [P, W, L+1]`` starting at 1,
+    ``exposure`` and ``traded [P, W, L]``, ``action [P, W, L, B]``."""
+    eq = np.asarray(walks["equity"], np.float64)
+    eq = np.concatenate([np.ones(eq.shape[:-1] + (1,)), eq], axis=-1)
+    return {"equity": eq, "exposure": np.asarray(walks["exposure"], np.float64),
+            "traded": np.asarray(walks["traded"]), "action": np.asarray(walks["action"])}
+
+
+def flat_paths(lengths: np.ndarray) -> dict:
+    """Staying flat (in cash): equity 1 [W, max_len+1] (NaN after each window ends), no
+    exposure, no trades."""
+    w, m = len(lengths), int(np.max(lengths))
+    eq = np.where(np.arange(m + 1)[None, :] <= np.asarray(lengths)[:, None], 1.0, np.nan)
+    return {"equity": eq, "exposure": np.zeros((w, m)), "traded": np.zeros((w, m), bool)}
+
+
+def walk_dates(timestamps: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list:
+    """The date of every equity mark of each walk: ``[n + 1]`` datetime64 from ``starts[w]``
+    (a walk's equity after step ``j`` is marked at the close of bar ``start + j + 1``)."""
+    return [np.asarray(timestamps[s:s + n + 1]) for s, n in zip(starts, lengths)]
 
 
 def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
