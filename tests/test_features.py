@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import chex
 import jax
@@ -318,6 +320,12 @@ def test_default_is_every_builtin_in_the_historical_order():
     assert [f.name for f in registered() if f.builtin] == list(HISTORICAL_ORDER)
     for f in registered():
         assert 1 <= f.window <= MAX_WINDOW and f.meaning, f.name
+
+
+def test_docs_list_every_builtin_with_its_window_and_meaning():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (.+) \|$", text, flags=re.M)
+    assert rows == [(f.name, str(f.window), f.meaning) for f in registered() if f.builtin]
 
 
 @pytest.mark.parametrize("name", DEFAULT_FEATURES)

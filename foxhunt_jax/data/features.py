@@ -66,9 +66,9 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # no glob characters: a name never
 
 # name: (window in bars, bar t included; one-line meaning). The order is DEFAULT_FEATURES'.
 _BUILTIN: dict[str, tuple[int, str]] = {
-    **{f"ret_{n}": (n + 1, f"log(C_t / C_t-{n}): the {n}-bar log return")
+    **{f"ret_{n}": (n + 1, f"log(C_t / C_(t-{n})): the {n}-bar log return")
        for n in (1, 2, 5, 10, 20, 60)},
-    **{f"ret_1_lag{k}": (k + 2, f"r_t-{k}: the one-bar log return {k} bar(s) ago")
+    **{f"ret_1_lag{k}": (k + 2, f"r_(t-{k}): the one-bar log return of bar t-{k}")
        for k in (1, 2, 3, 4)},
     **{f"vol_{n}": (n + 1, f"std (ddof 0) of the one-bar log returns over {n} bars")
        for n in (5, 10, 20, 60)},
@@ -79,9 +79,9 @@ _BUILTIN: dict[str, tuple[int, str]] = {
     "bar_body": (1, "log(C / O)"),
     "upper_wick": (1, "log(H / max(O, C))"),
     "lower_wick": (1, "log(min(O, C) / L)"),
-    "gap": (2, "log(O_t / C_t-1): the opening gap"),
-    **{f"range_pos_{n}": (n, f"(C - min L) / (max H - min L) over {n} bars, 0.5 when H == L")
-       for n in (20, 60)},
+    "gap": (2, "log(O_t / C_(t-1)): the opening gap"),
+    **{f"range_pos_{n}": (n, f"(C - min L) / (max H - min L) over {n} bars, 0.5 when "
+                             "max H == min L") for n in (20, 60)},
     "range_vol_20": (20, "mean of log(H / L) over 20 bars"),
     "high_dist_60": (60, "log(C / max H over 60 bars)"),
     "low_dist_60": (60, "log(C / min L over 60 bars)"),
@@ -444,7 +444,8 @@ def check_no_lookahead(name: str, bars: Instrument | None = None, cuts: int = 6,
                 k = int(np.flatnonzero(~same)[0])
                 raise LookAheadError(
                     f"feature '{name}' looks ahead: its value at bar {k} changes from "
-                    f"{float(base[k])!r} to {float(got[k])!r} when the bars after bar {t} are {how}")
+                    f"{float(base[k])!r} to {float(got[k])!r} when the bars after bar {t} "
+                    f"are {how}")
 
 
 # ---------------------------------------------------------------------------------------------
