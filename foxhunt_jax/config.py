@@ -333,7 +333,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= s.signal_strength < 1, "data.synthetic.signal_strength", "must be in [0, 1)",
            s.signal_strength)
     _check(s.volatility > 0, "data.synthetic.volatility", "must be > 0", s.volatility)
-    features = resolve_features(d.features, "data.features")
+    features = resolve_features(d.features, "config key 'data.features'")
 
     _check(e.episode_length >= 1, "env.episode_length", "must be >= 1", e.episode_length)
     _check(len(e.exposures) >= 2, "env.exposures", "needs at least two values", e.exposures)

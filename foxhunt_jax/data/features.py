@@ -305,13 +305,14 @@ def registered() -> tuple[Feature, ...]:
 
 def feature(name: str) -> Feature:
     """The registered feature ``name`` (ConfigError listing the choices when there is none)."""
-    return _REGISTRY[resolve_features([name], "feature")[0]]
+    return _REGISTRY[resolve_features([name], "features")[0]]
 
 
-def resolve_features(entries: Sequence[str], key: str = "data.features") -> tuple[str, ...]:
+def resolve_features(entries: Sequence[str], where: str = "config key 'data.features'"
+                     ) -> tuple[str, ...]:
     """Feature names and glob patterns (``vol_*``; a pattern expands to every registered name
-    it matches, in registry order) -> the names, in order. ConfigError naming ``key`` for an
-    empty list, an unknown name, a pattern that matches nothing, or a name given twice."""
+    it matches, in registry order) -> the names, in order. ConfigError starting with ``where``
+    for an empty list, an unknown name, a pattern that matches nothing, or a name given twice."""
     if isinstance(entries, str):
         entries = [entries]
     out: list[str] = []
@@ -322,15 +323,15 @@ def resolve_features(entries: Sequence[str], key: str = "data.features") -> tupl
             found = [entry] if entry in _REGISTRY else []
         if not found:
             what = "pattern" if any(ch in entry for ch in "*?[") else "feature"
-            raise ConfigError(f"config key '{key}': unknown {what} '{entry}' (choices: "
+            raise ConfigError(f"{where}: unknown {what} '{entry}' (choices: "
                               f"{', '.join(_REGISTRY)}; user features need "
                               "foxhunt_jax.data.features.register first)")
         for name in found:
             if name in out:
-                raise ConfigError(f"config key '{key}' names feature '{name}' twice")
+                raise ConfigError(f"{where} names feature '{name}' twice")
             out.append(name)
     if not out:
-        raise ConfigError(f"config key '{key}' must name at least one feature")
+        raise ConfigError(f"{where} must name at least one feature")
     return tuple(out)
 
 
