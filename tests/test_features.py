@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import foxhunt_jax
 from foxhunt_jax import api
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import EnvConfig, load_config
@@ -467,3 +468,18 @@ def test_a_tiny_run_on_a_chosen_list_with_a_user_feature(tmp_path, registering):
             Policy.load(out)
     finally:
         register("close_vs_sma_30", _close_vs_sma_30, 30)
+
+
+def test_docs_example_of_a_user_feature_runs(monkeypatch):
+    """The python block of docs/features.md, with ``train`` recording its config (the tiny run
+    above trains on such a list)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    seen = []
+    monkeypatch.setattr(foxhunt_jax, "train", lambda cfg, out_dir: seen.append(cfg))
+    try:
+        exec(compile(block, "docs/features.md", "exec"), {})
+        assert seen[0].data.features == ("ret_1", "vol_5", "vol_10", "vol_20", "vol_60",
+                                         "vol_ratio_5_60", "vol_ratio_20_60", "close_vs_sma_30")
+    finally:
+        unregister("close_vs_sma_30")
