@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from foxhunt_jax.data.features import DEFAULT_FEATURES, resolve_features
 from foxhunt_jax.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -43,6 +44,9 @@ class DataConfig:
     splits: tuple[float, float, float] = (0.70, 0.15, 0.15)  # train, validation, test by time
     sort: bool = False  # sort unsorted timestamps instead of rejecting the file
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # the feature columns, in order: built-in names, user ones (foxhunt_jax.data.features.register)
+    # or glob patterns (vol_*), resolved by validate into the names (docs/features.md)
+    features: tuple[str, ...] = DEFAULT_FEATURES
 
 
 @dataclass(frozen=True)
@@ -319,7 +323,8 @@ def _values_of(node: Any, kind: type, key: str = ""):
 
 
 def validate(cfg: Config) -> Config:
-    """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
+    """Every range check lives here. Returns ``cfg`` with ``data.features`` resolved to names
+    (patterns expanded) or raises ConfigError."""
     for key, value in _values_of(cfg, float):
         _check(math.isfinite(value), key, "must be a finite number", value)
     seeds = ("train.seed", "data.synthetic.seed")
@@ -337,6 +342,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= s.signal_strength < 1, "data.synthetic.signal_strength", "must be in [0, 1)",
            s.signal_strength)
     _check(s.volatility > 0, "data.synthetic.volatility", "must be > 0", s.volatility)
+    features = resolve_features(d.features, "config key 'data.features'")
 
     _check(e.episode_length >= 1, "env.episode_length", "must be >= 1", e.episode_length)
     _check(len(e.exposures) >= 2, "env.exposures", "needs at least two values", e.exposures)
@@ -405,6 +411,8 @@ def validate(cfg: Config) -> Config:
     for key, value in (("train.num_episodes", t.num_episodes), ("train.batch_size", t.batch_size),
                        ("replay.capacity", r.capacity)):
         _check(value % t.shards == 0, key, f"must be a multiple of train.shards ({t.shards})", value)
+    if features != d.features:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, features=features))
     return cfg
 
 

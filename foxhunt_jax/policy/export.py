@@ -9,8 +9,10 @@ The folder holds:
 - ``policy.json``: format version, metadata (config digest, the run's config, data columns,
   created time, package version, epoch), the normalization statistics, the feature
   specification (names, warm-up) and the action specification (branches and their values);
-- ``features.py``: the feature functions of :mod:`foxhunt_jax.data.features`, copied from
-  their source (NumPy only), so the export computes the features its network was trained on;
+- ``features.py``: the built-in feature functions of :mod:`foxhunt_jax.data.features`, copied
+  from their source (NumPy only), and the run's feature names, so the export computes the
+  features its network was trained on (a run with user features cannot be exported: their
+  code is not the package's to copy);
 - ``load_policy.py``: the loader (:mod:`foxhunt_jax.policy.standalone`), needing only jax and
   numpy.
 
@@ -48,10 +50,16 @@ FORMAT_VERSION = standalone.FORMAT_VERSION
 PLATFORMS = ("cpu", "cuda")
 PORTFOLIO_FIELDS = tuple(f.name for f in dataclasses.fields(trading.EnvState))
 # the feature code copied into the export, in dependency order
-FEATURE_CONSTANTS = ("FEATURE_NAMES", "WARMUP", "SIGMA_WINDOW", "SIGMA_FLOOR", "CLIP", "_CHUNK")
+FEATURE_CONSTANTS = ("WARMUP", "SIGMA_WINDOW", "SIGMA_FLOOR", "CLIP", "_CHUNK")
 FEATURE_FUNCTIONS = (features._rolling, features._mean, features._std, features._max,
                      features._min, features._lag, features._safe_div, features.log_returns,
-                     features.rolling_sigma, features.instrument_features, features.normalize)
+                     features.rolling_sigma, features.builtin_columns, features.normalize)
+# the export's entry point: the run's features (FEATURE_NAMES) of one instrument's bars
+INSTRUMENT_FEATURES = '''def instrument_features(bars):
+    """Raw features FEATURE_NAMES of one instrument: [n] bars -> [n, F] float64."""
+    cols = builtin_columns(bars)
+    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1)
+'''
 
 
 def _bar(d: dict) -> BarInputs:
@@ -96,13 +104,15 @@ def flat_params(params) -> dict[str, np.ndarray]:
             for path, v in leaves}
 
 
-def feature_source() -> str:
-    """The NumPy feature code of :mod:`foxhunt_jax.data.features` as one module's text."""
+def feature_source(names) -> str:
+    """The NumPy feature code of :mod:`foxhunt_jax.data.features` computing the built-in
+    features ``names`` as one module's text."""
     head = ['"""Bar features of a foxhunt-jax policy export (copied from foxhunt_jax.data.features'
             ' by the export; NumPy only)."""', "", "from __future__ import annotations", "",
             "import numpy as np", ""]
-    consts = [f"{name} = {getattr(features, name)!r}" for name in FEATURE_CONSTANTS]
-    funcs = [inspect.getsource(f) for f in FEATURE_FUNCTIONS]
+    consts = [f"FEATURE_NAMES = {tuple(names)!r}"]
+    consts += [f"{name} = {getattr(features, name)!r}" for name in FEATURE_CONSTANTS]
+    funcs = [inspect.getsource(f) for f in FEATURE_FUNCTIONS] + [INSTRUMENT_FEATURES]
     return "\n".join(head + consts) + "\n\n\n" + "\n\n".join(funcs)
 
 
@@ -121,11 +131,15 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not an empty folder")
+    names = list(policy.stats["feature_names"])
+    user = [name for name in names if not features.feature(name).builtin]
+    if user:
+        raise ConfigError(f"{policy.run_dir} uses user features {user}: an export carries "
+                          "built-in features only (their code is copied into it)")
     core = dataclasses.replace(policy.core, backend=make_backend("xla", policy.core.backend.tuning))
     decide, step = exported_functions(core)
     (n,) = jax.export.symbolic_shape("n")
-    num_features = len(features.FEATURE_NAMES)
-    bar, portfolio, state = _specs(n, num_features, len(policy.cfg.env.branch_sizes))
+    bar, portfolio, state = _specs(n, len(names), len(policy.cfg.env.branch_sizes))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.params)
     # keep_unused: every input stays an argument (the step reads no feature of the old bar)
     def export(f):
@@ -145,7 +159,7 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
                      "epoch": policy.epoch, "agent": policy.agent_note,
                      "platforms": list(PLATFORMS)},
         "normalization": {"mean": policy.stats["norm_mean"], "std": policy.stats["norm_std"]},
-        "features": {"names": list(features.FEATURE_NAMES), "warmup": features.WARMUP,
+        "features": {"names": names, "warmup": features.WARMUP,
                      "bar_fields": list(BAR_FIELDS), "module": "features.py"},
         "actions": action_spec(cfg.env),
         "portfolio": {"fields": list(PORTFOLIO_FIELDS),
@@ -158,7 +172,7 @@ def export_policy(policy: Policy, out_dir: str | Path) -> Path:
             (tmp / f"{name}.jax_exported").write_bytes(exp.serialize())
         np.savez(tmp / "params.npz", **flat_params(policy.params))
         (tmp / "policy.json").write_text(json.dumps(meta, indent=1))
-        (tmp / "features.py").write_text(feature_source())
+        (tmp / "features.py").write_text(feature_source(names))
         shutil.copyfile(inspect.getsourcefile(standalone), tmp / "load_policy.py")
         tmp.chmod(0o755)
         if out.exists():

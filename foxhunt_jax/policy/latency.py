@@ -16,14 +16,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from foxhunt_jax.data.features import FEATURE_NAMES
 from foxhunt_jax.policy.export import export_policy
 from foxhunt_jax.policy.policy import BarInputs, Policy, Position
 from foxhunt_jax.policy.standalone import ExportedPolicy
 
 
-def random_bars(n: int, count: int, seed: int = 0) -> list[BarInputs]:
-    """``count`` successive random bars of ``n`` instruments (host float32 arrays)."""
+def random_bars(n: int, count: int, num_features: int, seed: int = 0) -> list[BarInputs]:
+    """``count`` successive random bars of ``n`` instruments with ``num_features`` features
+    (host float32 arrays)."""
     rng = np.random.default_rng(seed)
     out, close = [], np.full((n,), 100.0)
     for _ in range(count):
@@ -34,7 +34,7 @@ def random_bars(n: int, count: int, seed: int = 0) -> list[BarInputs]:
         low = np.minimum(open_, close) * (1 - np.abs(rng.normal(0, 0.003, n)))
         f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
         out.append(BarInputs(
-            features=f32(np.clip(rng.normal(size=(n, len(FEATURE_NAMES))), -10, 10)),
+            features=f32(np.clip(rng.normal(size=(n, num_features)), -10, 10)),
             open=f32(open_), high=f32(high), low=f32(low), close=f32(close),
             sigma=f32(np.full((n,), 0.01))))
     return out
@@ -70,7 +70,7 @@ def measure(run_dir: str | Path, instruments=(1, 1000), calls: int = 200, warmup
         exported = ExportedPolicy(folder)
         result = {"device": str(jax.devices()[0]), "library": {}, "exported": {}}
         for n in instruments:
-            bars = random_bars(int(n), calls + warmup + 1)
+            bars = random_bars(int(n), calls + warmup + 1, len(policy.cfg.data.features))
             first = jax.tree.map(jax.numpy.asarray, bars[0])
             _, state = policy.start_bar(first, Position())
             result["library"][int(n)] = _summary(_times(policy.step, bars[1:], state, warmup))

@@ -258,7 +258,7 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner) -> tuple[Any, i
     step = checkpoint.latest_step(run_dir / "checkpoints")
     if step is None:
         raise ConfigError(f"{run_dir}/checkpoints holds no checkpoint")
-    f = len(spec.FEATURE_NAMES)
+    f = len(cfg.data.features)
     sds = jax.ShapeDtypeStruct
     params = trading.EnvParams(
         features=sds((2, f), jnp.float32), open=sds((2,), jnp.float32),

@@ -8,9 +8,10 @@ when the training data had any). For a run written before that file existed,
 :func:`run_statistics` recomputes them from the run's own config and data (deterministic: the
 same data gives the same statistics) and warns.
 
-The features of a bar come from :func:`~foxhunt_jax.data.features.instrument_features` (bars
-``t - 63 .. t`` of its instrument) normalized by :func:`~foxhunt_jax.data.features.normalize`:
-the training definition, applied to the bars up to that bar only.
+The features of a bar are the run's (``feature_names``, its ``data.features``), computed by
+:func:`~foxhunt_jax.data.features.instrument_features` (bars ``t - 64 .. t`` of its instrument at
+most) and normalized by :func:`~foxhunt_jax.data.features.normalize`: the training definition,
+applied to the bars up to that bar only.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import numpy as np
 import pandas as pd
 
 from foxhunt_jax.config import Config
-from foxhunt_jax.data.features import (FEATURE_NAMES, WARMUP, MarketTables, build_tables,
-                                       instrument_features, normalize, rolling_sigma)
+from foxhunt_jax.data.features import (WARMUP, MarketTables, build_tables, instrument_features,
+                                       normalize, registered, rolling_sigma)
 from foxhunt_jax.data.loader import frame_to_instruments, load_market
 from foxhunt_jax.data.market import Instrument, MarketData
 from foxhunt_jax.errors import ConfigError, DataError
@@ -77,11 +78,15 @@ def run_statistics(run_dir: str | Path, cfg: Config, warn=None) -> dict:
             _ = [stats[k] for k in ("feature_names", "norm_mean", "norm_std", "data_columns")]
         except (ValueError, KeyError, TypeError) as err:
             raise ConfigError(f"{path}: not a normalization statistics file ({err})") from None
+        if list(stats["feature_names"]) != list(cfg.data.features):
+            raise ConfigError(f"{run_dir} was trained on features {stats['feature_names']} "
+                              f"({path}), its config names {list(cfg.data.features)}")
         return stats
     (warn or _warn)(f"{run_dir} has no {STATISTICS_FILE} (trained before runs stored it); "
                     "recomputing the normalization statistics from the run's config and data")
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
-    return statistics_of(build_tables(market, cfg.data.splits, cfg.env.episode_length), market)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length, cfg.data.features)
+    return statistics_of(tables, market)
 
 
 def _warn(message: str) -> None:
@@ -107,11 +112,15 @@ def as_instruments(bars, label: str = "bars") -> tuple[Instrument, ...]:
 
 
 def check_data(instruments: Sequence[Instrument], stats: dict, run: str) -> None:
-    """DataError when the data cannot feed the run's network: another feature set, other data
-    columns, or an instrument with too few bars for the feature warm-up."""
-    if list(stats["feature_names"]) != list(FEATURE_NAMES):
-        raise ConfigError(f"{run} was trained on features {stats['feature_names']}, this version "
-                          f"computes {list(FEATURE_NAMES)}")
+    """DataError when the data cannot feed the run's network: other data columns, or an
+    instrument with too few bars for the feature warm-up; ConfigError when the run's features
+    are not all defined in this process (a user feature not registered)."""
+    known = {f.name for f in registered()}
+    missing = [name for name in stats["feature_names"] if name not in known]
+    if missing:
+        raise ConfigError(f"{run} was trained on features {missing} that this process does not "
+                          "define (register user features with "
+                          "foxhunt_jax.data.features.register before loading the run)")
     if not instruments:
         raise DataError("bars", "no instrument given")
     # a run trained with and without volume (some instruments) accepts either
@@ -134,12 +143,13 @@ def bar_table(ins: Instrument, stats: dict) -> dict:
     """Every decidable bar of one instrument (from bar ``WARMUP`` on), host arrays [T]:
     ``timestamps``; ``features`` [T, F] normalized float32; ``open``, ``high``, ``low``,
     ``close``, ``sigma`` float32. Row t uses the instrument's bars up to t only."""
+    names = list(stats["feature_names"])
     with np.errstate(divide="ignore", invalid="ignore"):
-        raw = instrument_features(ins)[WARMUP:]
+        raw = instrument_features(ins, names)[WARMUP:]
         sigma = rolling_sigma(np.asarray(ins.close, np.float64))[WARMUP:]
     if not np.all(np.isfinite(raw)):
         row, col = (int(v) for v in np.argwhere(~np.isfinite(raw))[0])
-        raise DataError(ins.source, f"feature '{FEATURE_NAMES[col]}' is not finite at bar "
+        raise DataError(ins.source, f"feature '{names[col]}' is not finite at bar "
                                     f"{row + WARMUP} of instrument {ins.name}")
     out = {"timestamps": np.asarray(ins.timestamps)[WARMUP:].astype("datetime64[ns]"),
            "features": normalize(raw, np.asarray(stats["norm_mean"], np.float32),
