@@ -16,7 +16,8 @@ imports (top-level and inside functions) of those packages is checked:
 * the module graph has no cycle.
 
 The foundation is the modules that import nothing of the library but ``errors``: ``errors``,
-``config``, ``parallel`` (mesh and shard-key helpers), ``jitcache`` and ``executable_codec``.
+``version``, ``parallel`` (mesh and shard-key helpers), ``jitcache`` and ``executable_codec``;
+``config`` belongs to the data layer.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("foxhunt_jax", "pallas_kernels")
-FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.config", "foxhunt_jax.parallel",
-              "foxhunt_jax.jitcache", "foxhunt_jax.executable_codec", "foxhunt_jax.version")
+FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.parallel", "foxhunt_jax.jitcache",
+              "foxhunt_jax.executable_codec", "foxhunt_jax.version")
 # (layer, module prefixes), lowest first
 LAYERS = [
     ("foundation", FOUNDATION),
-    ("data", ("foxhunt_jax.data",)),
+    # the config sits with the data: it names and checks the feature list data/features.py
+    # defines, and data/loader.py reads the synthetic market's settings from it
+    ("data", ("foxhunt_jax.config", "foxhunt_jax.data")),
     ("env", ("foxhunt_jax.env",)),
     ("pallas_kernels", ("pallas_kernels",)),
     ("agent", ("foxhunt_jax.agent",)),
