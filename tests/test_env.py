@@ -62,23 +62,26 @@ def us_tables():
     return real_tables("us_stocks_daily")
 
 
-# name -> (config, dataset, split)
+# name -> (config, dataset, split); each runs under both fill modes
 CASES = {
     "default": (EnvConfig(), "us_stocks_daily", "train"),
-    "default_fx": (EnvConfig(), "eurusd_hourly", "validation"),
+    "default_fx_slippage": (EnvConfig(slippage_bps=3.0), "eurusd_hourly", "validation"),
     "one_branch_fixed_cost": (EnvConfig(take_profit=(), stop_loss=(), fixed_cost=1e-3,
                                         cost_bps=5.0), "us_stocks_daily", "test"),
     "short_time_barrier_tp_only": (EnvConfig(stop_loss=(), time_barrier=2, cost_bps=10.0,
-                                             take_profit=(0.5, 1.5)), "us_stocks_daily", "train"),
+                                             take_profit=(0.5, 1.5), slippage_bps=1.0),
+                                   "us_stocks_daily", "train"),
     "sl_only_tight": (EnvConfig(take_profit=(), stop_loss=(0.5, 1.0), time_barrier=1,
                                 exposures=(-1.0, 1.0), fixed_cost=2e-4, ruin_floor=0.9),
                       "us_stocks_daily", "test"),
 }
 
 
+@pytest.mark.parametrize("fill", ["next_open", "close"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference_on_real_data(name):
+def test_matches_reference_on_real_data(name, fill):
     cfg, data, split = CASES[name]
+    cfg = dataclasses.replace(cfg, fill=fill)
     tables = real_tables(data)
     params = trading.make_params(tables, cfg, split)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -89,14 +92,14 @@ def test_matches_reference_on_real_data(name):
     ref = simulate(tables, cfg, starts, acts)
 
     chex.assert_shape([dev["equity"], dev["reward"], dev["cost"]], (steps, n))
-    chex.assert_type([dev["equity"], dev["reward"], dev["cost"], dev["exit_price"]], np.float32)
-    np.testing.assert_array_equal(dev["barrier"], ref["barrier"])
-    np.testing.assert_array_equal(dev["traded"], ref["traded"])
-    np.testing.assert_array_equal(dev["terminated"], ref["terminated"])
-    np.testing.assert_array_equal(dev["truncated"], ref["truncated"])
+    chex.assert_type([dev["equity"], dev["reward"], dev["cost"], dev["exit_price"],
+                      dev["turnover"]], np.float32)
+    for k in ("barrier", "traded", "fills", "terminated", "truncated"):
+        np.testing.assert_array_equal(dev[k], ref[k], err_msg=k)
     np.testing.assert_allclose(dev["equity"], ref["equity"], rtol=1e-5)
     np.testing.assert_allclose(dev["exit_price"], ref["exit_price"], rtol=1e-6)
     np.testing.assert_allclose(dev["cost"], ref["cost"], rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(dev["turnover"], ref["turnover"], rtol=1e-6)
     np.testing.assert_allclose(dev["reward"], ref["reward"], atol=2e-4)
     cols = [0, 1, 2, 5]
     np.testing.assert_allclose(dev["portfolio"][..., cols], ref["portfolio"][..., cols],
@@ -110,10 +113,12 @@ def test_matches_reference_on_real_data(name):
     np.testing.assert_array_equal(dev["obs"][:-1, :, -trading.P:], dev["portfolio"][1:])
     # the run exercised the rules it checks
     codes = set(np.unique(ref["barrier"]).tolist())
-    allowed = {0, 3} | ({1} if cfg.take_profit else set()) | ({2} if cfg.stop_loss else set())
-    required = (allowed - {0, 3}) | ({3} if cfg.time_barrier <= 2 else set())
+    allowed = {0, 3, 4} | ({1} if cfg.take_profit else set()) | ({2} if cfg.stop_loss else set())
+    required = (allowed - {0, 3, 4}) | ({3} if cfg.time_barrier <= 2 else set())
     assert required <= codes <= allowed, codes
     assert ref["truncated"][-1].sum() + ref["terminated"].any(0).sum() >= n
+    if cfg.take_profit or cfg.stop_loss:  # a trade and an exit in one step, both counted
+        assert (ref["fills"] == 2).any()
     if name == "sl_only_tight":
         assert ref["terminated"].any()
 
@@ -145,8 +150,9 @@ def _tables(open_, high, low, close, sigma=0.01, episode_length=3):
         bars_per_year=252.0, episode_length=episode_length)
 
 
-def _cfg(cost_bps=0.0, fixed_cost=0.0):
-    return EnvConfig(episode_length=3, time_barrier=1, cost_bps=cost_bps, fixed_cost=fixed_cost)
+def _cfg(cost_bps=0.0, fixed_cost=0.0, fill="close", slippage_bps=0.0):
+    return EnvConfig(episode_length=3, time_barrier=1, cost_bps=cost_bps, fixed_cost=fixed_cost,
+                     fill=fill, slippage_bps=slippage_bps)
 
 
 JIT_STEP_ENV = jax.jit(trading.step_env)
@@ -280,9 +286,9 @@ def test_shapes_dtypes_and_params(us_tables):
         jax.tree.map(lambda x: (x.shape, x.dtype), state)
     assert obs2.shape == (40,) and reward.shape == () and reward.dtype == jnp.float32
     assert term.dtype == trunc.dtype == info["traded"].dtype == jnp.bool_
-    assert info["barrier"].dtype == jnp.int32
-    assert {k: v.dtype for k, v in info.items() if k not in ("traded", "barrier")} == \
-        {k: jnp.float32 for k in ("equity", "cost", "exit_price")}
+    assert info["barrier"].dtype == info["fills"].dtype == jnp.int32
+    assert {k: v.dtype for k, v in info.items() if k not in ("traded", "barrier", "fills")} == \
+        {k: jnp.float32 for k in ("equity", "cost", "exit_price", "turnover")}
     with pytest.raises(ConfigError, match="unknown split 'dev'"):
         trading.make_params(us_tables, cfg, "dev")
     # a longer horizon than the tables' (walking a whole split) is allowed; starts stay the
