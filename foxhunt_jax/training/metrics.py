@@ -26,11 +26,13 @@ Definitions (``W`` windows, ``T`` bars per window, ``E[w, t]`` equity, ``x[w, t]
 * ``max_drawdown``: mean over windows of ``max_t (1 - E[w, t] / max_{s <= t} E[w, s])``, a
   positive fraction (0.5 = lost half from the peak); ``max_drawdown_worst`` is the largest of them.
 * ``calmar``: ``annualized_return / max_drawdown``; 0 when ``max_drawdown <= 1e-12``.
-* ``turnover``: ``mean |x[w, t] - x[w, t-1]|`` over valid bars with ``x[w, -1] = 0`` (episodes
-  start flat; a NaN exposure on a valid bar counts as flat): average fraction of equity
-  traded per bar.
-* ``trades``: total count of trades (the sum of per-window counts, or of per-bar traded flags
-  over valid bars).
+* ``turnover``: average fraction of equity traded per bar: the mean over valid bars of the
+  per-bar ``turnover`` given (the env's: every fill counted, the chosen trades and the barrier
+  and ruin exits); without it, of ``|x[w, t] - x[w, t-1]|`` with ``x[w, -1] = 0`` (episodes
+  start flat; a NaN exposure on a valid bar counts as flat), which is exact only when every
+  position change is a chosen trade (buy-and-hold).
+* ``trades``: total count of trades (the sum of per-window counts, or of per-bar counts over
+  valid bars; pass the env's per-bar fills so that exits count).
 * ``time_in_market``: fraction of valid bars with ``x[w, t] != 0``.
 * ``hit_rate``: among valid bars with ``x[w, t] != 0``, the fraction with ``r[w, t] > 0``
   (how often holding a position paid over one bar); 0 when never in the market.
@@ -83,15 +85,17 @@ def _safe_ratio(num: float, den: float) -> float:
     return float(num / den) if den > _TINY else 0.0
 
 
-def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
+def trading_metrics(equity, exposure, trades, bars_per_year: float, turnover=None) -> dict:
     """Trading metrics of ``W`` equity paths (definitions in the module docstring).
 
     Args:
       equity: ``[W, T+1]`` (or ``[T+1]`` for one window) equity paths starting at the initial
         equity; may be NaN-padded after a window ends.
       exposure: ``[W, T]`` (or ``[T]``) position held over each bar (signed fraction of equity).
-      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar traded flags.
+      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar trade counts.
       bars_per_year: annualization factor, > 0.
+      turnover: ``[W, T]`` (or ``[T]``) fraction of equity traded on each bar, or None to take
+        it from the changes of ``exposure``.
 
     Returns:
       dict with the keys of :data:`METRIC_KEYS`.
@@ -99,8 +103,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     e = np.asarray(equity, np.float64)
     x = np.asarray(exposure, np.float64)
     tr = np.asarray(trades, np.float64)
+    per_bar = None if turnover is None else np.asarray(turnover, np.float64)
     if e.ndim == 1:  # one window: add the window axis everywhere
         e, x, tr = e[None], x[None], tr[None]
+        per_bar = None if per_bar is None else per_bar[None]
     if e.ndim != 2 or x.ndim != 2:
         raise ValueError(f"equity and exposure must be [W, T+1] and [W, T], got {e.shape}, "
                          f"{x.shape}")
@@ -109,6 +115,8 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
         raise ValueError(f"equity needs at least 2 points per window, got shape {e.shape}")
     if x.shape != (n_windows, t_plus_1 - 1):
         raise ValueError(f"exposure shape {x.shape} does not match equity shape {e.shape}")
+    if per_bar is not None and per_bar.shape != x.shape:
+        raise ValueError(f"turnover shape {per_bar.shape} does not match exposure {x.shape}")
     if tr.shape not in ((n_windows,), x.shape):
         raise ValueError(f"trades shape {tr.shape} must be ({n_windows},) or {x.shape}")
     if not bars_per_year > 0:
@@ -136,8 +144,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     dd = max_drawdowns(e)
     max_dd = float(np.mean(dd))
 
-    prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
-    turnover = float(np.abs(x - prev)[valid].sum() / n) if n else 0.0
+    if per_bar is None:
+        prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
+        per_bar = np.abs(x - prev)
+    turnover = float(np.nan_to_num(per_bar)[valid].sum() / n) if n else 0.0
     in_market = (x != 0) & valid
     n_in = int(in_market.sum())
     wins = int(((r_all > 0) & in_market).sum())

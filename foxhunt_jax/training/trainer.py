@@ -188,8 +188,8 @@ class Trainer:
         }
 
     def _metrics(self, paths: dict) -> dict:
-        return trading_metrics(paths["equity"], paths["exposure"], paths["traded"],
-                               self.market.bars_per_year)
+        return trading_metrics(paths["equity"], paths["exposure"], paths["trades"],
+                               self.market.bars_per_year, turnover=paths["turnover"])
 
     def _validation_buy_and_hold_metrics(self) -> dict:
         """Buy-and-hold's metrics on the validation windows (the same every epoch: cached)."""

@@ -50,7 +50,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
     observation belongs to). An episode stops after ``lengths[w]`` steps
     (default ``num_steps``) or when it terminates (ruin); after that it is masked out (equity
     NaN, reward 0, ``alive`` False). Returns a dict of [L, W] arrays: the compact encodings for
-    the loss, rewards, terminated, truncated, equity, exposure, traded, alive.
+    the loss, rewards, terminated, truncated, equity, exposure, traded, fills, turnover, alive.
     """
     obs, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
     w = starts.shape[0]
@@ -68,7 +68,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
         obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
                                                         env_params)
         out = _record(env_params, t, lengths, alive, state.bar, obs[:, -p:], state2.bar,
-                      obs2[:, -p:], action, reward, term, trunc, info["equity"], info["traded"])
+                      obs2[:, -p:], action, reward, term, trunc, info)
         keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state2 = jax.tree.map(keep, state2, state)
         obs2 = keep(obs2, obs)
@@ -81,17 +81,20 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
 
 
 def _record(env_params, t, lengths, alive, bar, portfolio, next_bar, next_portfolio, action,
-            reward, terminated, truncated, equity, traded) -> dict:
+            reward, terminated, truncated, info) -> dict:
     """One step's record of :func:`policy_rollout`, masked by ``alive`` (any batch shape: [W]
-    inside the scan, [L, W] for the fused kernel's raw results)."""
+    inside the scan, [L, W] for the fused kernel's raw results); ``info`` holds the step's
+    ``equity``, ``traded``, ``fills`` and ``turnover`` (the env's info)."""
     return {"bar": bar, "portfolio": portfolio, "next_bar": next_bar,
             "next_portfolio": next_portfolio, "action": action,
             "reward": jnp.where(alive, reward, 0.0), "terminated": terminated & alive,
             "truncated": (truncated | (t + 1 >= lengths)) & alive,
-            "equity": jnp.where(alive, equity, jnp.nan),
-            # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
+            "equity": jnp.where(alive, info["equity"], jnp.nan),
+            # the position taken into the bar is the chosen exposure (a trade moves to it, or it
+            # is kept); a barrier or ruin exit during the bar is counted in fills and turnover
             "exposure": jnp.where(alive, env_params.exposures[action[..., 0]], 0.0),
-            "traded": traded & alive, "alive": alive}
+            "traded": info["traded"] & alive, "fills": jnp.where(alive, info["fills"], 0),
+            "turnover": jnp.where(alive, info["turnover"], 0.0), "alive": alive}
 
 
 def greedy_policy(learner: Learner, backend: Backend, params):
@@ -117,7 +120,7 @@ def greedy_rollout(learner: Learner, backend: Backend, params, env_params, start
     raw = evaluate_trajectory(learner, backend, params, env_params, starts, num_steps, lengths)
     return _record(env_params, raw["step"], lengths, raw["alive"], raw["bar"], raw["portfolio"],
                    raw["next_bar"], raw["next_portfolio"], raw["action"], raw["reward"],
-                   raw["terminated"], raw["truncated"], raw["equity"], raw["traded"])
+                   raw["terminated"], raw["truncated"], raw)
 
 
 def random_policy(branch_sizes):
@@ -198,16 +201,19 @@ def validation_loss(learner: Learner, backend: Backend, params, target_params, e
 
 
 def equity_paths(traj) -> dict:
-    """[W, L+1] equity starting at 1, [W, L] exposure and traded flags, as host NumPy."""
+    """[W, L+1] equity starting at 1; [W, L] exposure, traded flags (the chosen trades), trades
+    (every fill: chosen trades and barrier or ruin exits) and turnover, as host NumPy."""
     eq = np.asarray(traj["equity"], np.float64).T
     eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
     return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
-            "traded": np.asarray(traj["traded"]).T}
+            "traded": np.asarray(traj["traded"]).T, "trades": np.asarray(traj["fills"]).T,
+            "turnover": np.asarray(traj["turnover"], np.float64).T}
 
 
 def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                        cost_rate: float) -> dict:
-    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure and trades."""
+    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure, traded flags,
+    trades and turnover (:func:`equity_paths`' layout): one fill, at the first bar."""
     w, m = len(starts), int(np.max(lengths))
     eq = np.full((w, m + 1), np.nan)
     expo = np.zeros((w, m))
@@ -219,7 +225,8 @@ def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarra
         eq[i, 0] = 1.0
         expo[i, :n] = 1.0
         traded[i, 0] = True
-    return {"equity": eq, "exposure": expo, "traded": traded}
+    return {"equity": eq, "exposure": expo, "traded": traded, "trades": traded.astype(np.int64),
+            "turnover": traded.astype(np.float64)}
 
 
 def is_synthetic(market) -> bool:
