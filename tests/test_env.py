@@ -223,6 +223,56 @@ def test_costs_and_time_barrier():
     assert bool(info["traded"]) and int(state.time_in_trade) == 0
 
 
+def test_next_open_fill_pays_slippage_both_ways():
+    # decided at close 100; fills at bar 1's open 102 at 102 * 1.001; stop 102 * (1 - 3%) and
+    # take-profit 102 * (1 + 3%) are untouched; the one-bar time barrier sells at the close 103
+    # at 103 * 0.999
+    cfg = _cfg(fill="next_open", slippage_bps=10.0)
+    bars = ([100, 102], [100, 104], [100, 101.5], [100, 103])
+    _, state, _, _, _, info = _first_step(bars, [4, 2, 2], cfg)
+    units = 1 / 102
+    assert float(info["equity"]) == pytest.approx(1 + units * (103 * 0.999 - 102 * 1.001),
+                                                  rel=1e-6)
+    assert int(info["barrier"]) == trading.TIME
+    assert float(info["exit_price"]) == pytest.approx(103 * 0.999, rel=1e-6)
+    assert int(info["fills"]) == 2 and float(info["turnover"]) == 2.0
+    assert float(state.units) == 0
+
+
+def test_next_open_barriers_are_set_from_the_fill_and_checked_on_its_bar():
+    # decided at close 100; bar 1 opens at 95 and fills there: the stop (1 sigma) is 94.05, from
+    # the fill, not from the decision's close; bar 1's low 94 touches it
+    cfg = _cfg(fill="next_open")
+    bars = ([100, 95], [100, 96], [100, 94], [100, 95.5])
+    _, _, _, _, _, info = _first_step(bars, [4, 0, 0], cfg)
+    assert int(info["barrier"]) == trading.STOP_LOSS
+    assert float(info["exit_price"]) == pytest.approx(95 * 0.99, rel=1e-6)
+    assert float(info["equity"]) == pytest.approx(0.99, rel=1e-5)
+    # filled at the close instead, the same bar gaps through the stop at 99 and exits at the open
+    _, _, _, _, _, info = _first_step(bars, [4, 0, 0], _cfg(fill="close"))
+    assert float(info["exit_price"]) == 95.0
+
+
+def test_ruin_closes_the_open_position_at_the_close():
+    # long at 100 with barriers far away (sigma 50%: stop at -50, take-profit at 150, time
+    # barrier 5 bars); bar 1 closes at 45: equity 0.45 < 0.5 ends the episode and sells at 45,
+    # paying the cost
+    cfg = dataclasses.replace(_cfg(cost_bps=10.0), time_barrier=5)
+    bars = ([100, 46], [100, 47], [100, 44], [100, 45])
+    tables = _tables(*bars, sigma=0.5)
+    params = trading.make_params(tables, cfg, "train")
+    _, state = JIT_RESET_AT(0, params)
+    _, new, _, term, _, info = JIT_STEP_ENV(KEY, state, jnp.asarray([4, 2, 2], jnp.int32), params)
+    ref = simulate(tables, cfg, [0], np.asarray([[[4, 2, 2]]], np.int32))
+    assert bool(term) and ref["terminated"][0, 0]
+    assert int(info["barrier"]) == trading.RUIN == ref["barrier"][0, 0]
+    assert int(info["fills"]) == 2 and float(info["turnover"]) == 2.0
+    # 0.01 units bought at 100 for 1 plus 0.001 cost, sold at 45 for 0.45 less 0.00045 cost
+    assert float(info["equity"]) == pytest.approx(0.45 - 0.001 - 0.00045, rel=1e-5)
+    assert float(info["equity"]) == pytest.approx(ref["equity"][0, 0], rel=1e-6)
+    assert float(new.units) == 0 and float(new.exposure) == 0
+
+
 def test_ruin_terminates_and_auto_reset_is_fresh():
     # long at 100; bar 1 gaps to 40, through the stop at 97: equity 0.4 < ruin floor 0.5
     params = trading.make_params(_tables([100, 40], [100, 41], [100, 39], [100, 40]), _cfg(),
