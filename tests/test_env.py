@@ -16,6 +16,8 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.training import validate
+from foxhunt_jax.training.metrics import trading_metrics
 from reference_env import simulate
 
 KEY = jax.random.key(0)
@@ -377,3 +379,43 @@ def test_random_rollout_1024_episodes(us_tables):
     assert bool(jnp.all(done_last))
     # random trading pays costs: mean log growth is negative
     assert float(out["reward"].mean()) < 0
+
+
+@pytest.mark.parametrize("fill", ["next_open", "close"])
+def test_always_long_walk_counts_every_exit(us_tables, fill):
+    """An always-long policy walked over the test split: its trades and turnover count the
+    take-profit, stop-loss and time-barrier exits and the re-entries after them, and equal the
+    float64 reference's."""
+    cfg = EnvConfig(fill=fill)
+    long_action = np.asarray([cfg.exposures.index(1.0), 1, 1], np.int32)
+    params, starts, lengths = validate.evaluation_params(us_tables, cfg, "test")
+    steps = int(lengths.max())
+
+    def always_long(key, obs, state):
+        return jnp.broadcast_to(jnp.asarray(long_action), (obs.shape[0], long_action.size))
+
+    traj = jax.jit(lambda p: validate.policy_rollout(p, jnp.asarray(starts), steps, always_long,
+                                                     KEY, jnp.asarray(lengths)))(params)
+    paths = validate.equity_paths(traj)
+    got = trading_metrics(paths["equity"], paths["exposure"], paths["trades"], 252.0,
+                          turnover=paths["turnover"])
+
+    w = len(starts)
+    eq = np.full((w, steps + 1), np.nan)
+    fills, turnover = np.zeros((w, steps)), np.zeros((w, steps))
+    for i in range(w):
+        n = int(lengths[i])
+        ref = simulate(us_tables, dataclasses.replace(cfg, episode_length=n), starts[i:i + 1],
+                       np.broadcast_to(long_action, (1, n, 3)))
+        alive = np.cumsum(ref["terminated"][:, 0]) - ref["terminated"][:, 0] == 0
+        m = int(alive.sum())
+        eq[i, 0], eq[i, 1:m + 1] = 1.0, ref["equity"][:m, 0]
+        fills[i, :m], turnover[i, :m] = ref["fills"][:m, 0], ref["turnover"][:m, 0]
+    bars = int(np.isfinite(eq[:, 1:]).sum())
+    assert got["bars"] == bars
+    assert got["trades"] == int(fills.sum())
+    np.testing.assert_allclose(got["turnover"], turnover.sum() / bars, rtol=1e-6)
+    # many more trades than one entry per walk: every exit and re-entry counts
+    assert got["trades"] > 10 * w
+    # the chosen exposure alone never changes after the first bar: its turnover would be 1 / L
+    assert got["turnover"] > 10 * w / bars
