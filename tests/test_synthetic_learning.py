@@ -78,18 +78,21 @@ def test_oracle_row_equals_reference_simulation(trained):
     w, steps = r.shape
     eq = np.full((w, steps + 1), np.nan)
     expo = np.zeros((w, steps))
-    traded = np.zeros((w, steps), bool)
+    fills = np.zeros((w, steps), np.int64)
+    turnover = np.zeros((w, steps))
     for i in range(w):
         n = int(lengths[i])
         ref = simulate(trainer.tables, cfg, starts[i:i + 1], actions[i:i + 1, :n])
         eq[i, 0], eq[i, 1:n + 1] = 1.0, ref["equity"][:, 0]
         expo[i, :n] = np.asarray(cfg.exposures)[actions[i, :n, 0]]
-        traded[i, :n] = ref["traded"][:, 0]
-    ref_metrics = trading_metrics(eq, expo, traded, trainer.market.bars_per_year)
+        fills[i, :n], turnover[i, :n] = ref["fills"][:, 0], ref["turnover"][:, 0]
+    ref_metrics = trading_metrics(eq, expo, fills, trainer.market.bars_per_year,
+                                  turnover=turnover)
     got = res["oracle"]["metrics"]
     np.testing.assert_allclose(got["sharpe"], ref_metrics["sharpe"], rtol=1e-3)
     np.testing.assert_allclose(got["total_return"], ref_metrics["total_return"], rtol=1e-3)
     assert got["trades"] == ref_metrics["trades"] and got["bars"] == ref_metrics["bars"]
+    np.testing.assert_allclose(got["turnover"], ref_metrics["turnover"], rtol=1e-6)
     np.testing.assert_allclose(res["oracle"]["curve"], np.nanmean(eq, axis=0), rtol=1e-4)
 
 

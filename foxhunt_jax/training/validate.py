@@ -141,6 +141,11 @@ def oracle_policy(last_log_return, env_cfg):
     return; flat (the exposure nearest 0) after an unchanged close. Barrier branches take their
     widest multiple so the barriers interfere as little as the env allows.
 
+    The last return is known at the decision bar's close, as the agent's observation is, so the
+    oracle obeys the env's fill timing: under ``next_open`` fills it captures the next bar's
+    return from its open on (the synthetic opens sit at the previous close up to a tiny noise,
+    so it forgoes almost nothing); it never trades on a return it could not have seen.
+
     Args:
       last_log_return: [T] raw one-bar log returns of the whole table
         (``MarketTables.last_log_return``), indexed by ``state.bar``; pass it as an argument of
