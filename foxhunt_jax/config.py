@@ -49,6 +49,9 @@ class DataConfig:
     features: tuple[str, ...] = DEFAULT_FEATURES
 
 
+FILLS = ("next_open", "close")  # env.fill values
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     episode_length: int = 100  # L: steps before truncation
@@ -57,6 +60,10 @@ class EnvConfig:
     stop_loss: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 2: SL multiple of sigma; () = off
     time_barrier: int = 20  # H: bars a position may be held before it is closed
     cost_bps: float = 2.0  # commission + half-spread, basis points of traded notional
+    # where the decision made at bar t's close fills: "next_open" (the open of bar t+1, the
+    # earliest a real order can fill) or "close" (the close of bar t itself, optimistic)
+    fill: str = "next_open"
+    slippage_bps: float = 0.0  # every fill price moved against the trade by this many bps
     fixed_cost: float = 0.0  # per trade, in units of initial equity
     ruin_floor: float = 0.5  # terminate when equity < ruin_floor * initial equity
     reward_scale: float = 100.0  # reward = reward_scale * log(equity change)
@@ -353,6 +360,9 @@ def validate(cfg: Config) -> Config:
         _check(all(v > 0 for v in vals), f"env.{name}", "values must be > 0", vals)
     _check(e.time_barrier >= 1, "env.time_barrier", "must be >= 1", e.time_barrier)
     _check(e.cost_bps >= 0, "env.cost_bps", "must be >= 0", e.cost_bps)
+    _check(e.fill in FILLS, "env.fill", f"must be {' or '.join(FILLS)}", e.fill)
+    _check(0 <= e.slippage_bps < 1e4, "env.slippage_bps", "must be in [0, 10000)",
+           e.slippage_bps)
     _check(e.fixed_cost >= 0, "env.fixed_cost", "must be >= 0", e.fixed_cost)
     _check(0 < e.ruin_floor < 1, "env.ruin_floor", "must be in (0, 1)", e.ruin_floor)
     _check(e.reward_scale > 0, "env.reward_scale", "must be > 0", e.reward_scale)

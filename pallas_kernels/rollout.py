@@ -47,11 +47,11 @@ STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl
 STATE_I = ("bar", "step", "time_in_trade")
 # per-step outputs: float channels, then int32 channels followed by the B actions
 OUT_F = tuple(f"portfolio{j}" for j in range(P)) + tuple(f"next_portfolio{j}" for j in range(P)) \
-    + ("reward", "equity")
-OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "alive")
+    + ("reward", "equity", "turnover")
+OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive")
 MODES = ("collect", "evaluate")
 _TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", "stop_loss")
-_SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale")
+_SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale", "slippage_rate")
 
 
 def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num_steps: int,
@@ -113,7 +113,8 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
             out_f_ref[t, P + j, :] = next_port[j]
         out_f_ref[t, 2 * P, :] = reward
         out_f_ref[t, 2 * P + 1, :] = info["equity"]
-        ints = (state.bar, new.bar, term, trunc, info["traded"], alive)
+        out_f_ref[t, 2 * P + 2, :] = info["turnover"]
+        ints = (state.bar, new.bar, term, trunc, info["traded"], info["fills"], alive)
         for c, v in enumerate(ints):
             out_i_ref[t, c, :] = v.astype(jnp.int32)
         for d, a in enumerate(actions):
@@ -253,7 +254,8 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
                   "has_take_profit": env_params.has_take_profit,
-                  "has_stop_loss": env_params.has_stop_loss}
+                  "has_stop_loss": env_params.has_stop_loss,
+                  "fill_next_open": env_params.fill_next_open}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
                                draws is not None, L, env_static)
     outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),

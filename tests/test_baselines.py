@@ -48,12 +48,13 @@ def walked():
 
 
 def reference_paths(tables, env_cfg, starts, lengths, actions):
-    """Float64 equity [P, W, L+1], exposure and traded of the given actions [P, W, L, B]
-    (tests/reference_env.py), each walk ending after its last bar or its ruin."""
+    """Float64 equity [P, W, L+1], exposure, fills and turnover of the given actions
+    [P, W, L, B] (tests/reference_env.py), each walk ending after its last bar or its ruin."""
     p_count, w_count, steps = actions.shape[:3]
     equity = np.full((p_count, w_count, steps + 1), np.nan)
     exposure = np.zeros((p_count, w_count, steps))
-    traded = np.zeros((p_count, w_count, steps), bool)
+    fills = np.zeros((p_count, w_count, steps), np.int64)
+    turnover = np.zeros((p_count, w_count, steps))
     for w in range(w_count):
         n = int(lengths[w])
         ref = simulate(tables, env_cfg, np.full(p_count, starts[w]), actions[:, w, :n])
@@ -63,8 +64,9 @@ def reference_paths(tables, env_cfg, starts, lengths, actions):
             equity[p, w, 0] = 1.0
             equity[p, w, 1:end + 1] = ref["equity"][:end, p]
             exposure[p, w, :end] = np.asarray(env_cfg.exposures)[actions[p, w, :end, 0]]
-            traded[p, w, :end] = ref["traded"][:end, p]
-    return equity, exposure, traded
+            fills[p, w, :end] = ref["fills"][:end, p]
+            turnover[p, w, :end] = ref["turnover"][:end, p]
+    return equity, exposure, fills, turnover
 
 
 def loop_portfolio_curve(equity, bar_dates):
@@ -101,12 +103,13 @@ def test_random_policies_draw_the_exploration_distribution(walked):
 def test_random_percentiles_equal_float64_reference(walked):
     market, tables, env_cfg, starts, lengths, walks = walked
     dates = validate.walk_dates(tables.timestamps, starts, lengths)
-    ref_eq, ref_x, ref_tr = reference_paths(tables, env_cfg, starts, lengths, walks["action"])
+    ref_eq, ref_x, ref_fills, ref_turnover = reference_paths(tables, env_cfg, starts, lengths,
+                                                             walks["action"])
     np.testing.assert_array_equal(np.isfinite(walks["equity"]), np.isfinite(ref_eq))
     np.testing.assert_allclose(walks["equity"], ref_eq, rtol=2e-5)
 
     # the agent: one of the random walks, so its percentile is known
-    agent = {k: walks[k][7] for k in ("equity", "exposure", "traded")}
+    agent = {k: walks[k][7] for k in ("equity", "exposure", "traded", "trades", "turnover")}
     paths = {"agent": agent, "flat": validate.flat_paths(lengths)}
     res = evaluation_results(paths, walks, dates, ["a", "b", "c"], market.bars_per_year)
 
@@ -115,7 +118,8 @@ def test_random_percentiles_equal_float64_reference(walked):
     for p in range(POLICIES):
         curve = trading_metrics(curves[p], np.zeros(curves.shape[1] - 1),
                                 np.zeros(curves.shape[1] - 1), market.bars_per_year)
-        pooled = trading_metrics(ref_eq[p], ref_x[p], ref_tr[p], market.bars_per_year)
+        pooled = trading_metrics(ref_eq[p], ref_x[p], ref_fills[p], market.bars_per_year,
+                                 turnover=ref_turnover[p])
         samples.append({k: pooled[k] if k in ACTIVITY_KEYS else v for k, v in curve.items()})
     random = res["metrics"]["random"]
     assert random["policies"] == POLICIES

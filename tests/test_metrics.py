@@ -269,7 +269,9 @@ def test_portfolio_metrics_are_the_curve_s_with_pooled_activity():
     rng = np.random.default_rng(8)
     equity, exposure, traded, dates = random_walk_set(rng)
     portfolio = portfolio_by_date(equity, exposure, traded, dates)
-    paths = {"equity": equity, "exposure": exposure, "traded": traded}
+    # turnover as the exposure moves, which the loop reference counts
+    moves = np.abs(np.diff(np.nan_to_num(exposure), axis=-1, prepend=0.0))
+    paths = {"equity": equity, "exposure": exposure, "trades": traded, "turnover": moves}
     got = portfolio_metrics(portfolio, paths, 252.0)
     curve = loop_metrics(portfolio["equity"][None], portfolio["exposure"][None],
                          portfolio["trades"][None], 252.0)

@@ -194,7 +194,9 @@ def synthetic_evaluation(rng, policies=40, steps=60):
         eq = np.concatenate([np.ones(lead + (3, 1)), np.exp(np.cumsum(r, axis=-1))], axis=-1)
         eq[..., np.arange(steps + 1)[None, :] > lengths[:, None]] = np.nan
         x = rng.choice([-1.0, 0.0, 0.5, 1.0], lead + (3, steps))
-        return {"equity": eq, "exposure": x, "traded": rng.random(lead + (3, steps)) < 0.2}
+        fills = rng.integers(0, 3, lead + (3, steps))
+        return {"equity": eq, "exposure": x, "traded": fills > 0, "trades": fills,
+                "turnover": fills * rng.random(lead + (3, steps))}
 
     paths = {"agent": walks(0.001), "buy_and_hold": walks(0.0003),
              "flat": validate.flat_paths(lengths)}

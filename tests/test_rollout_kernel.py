@@ -81,9 +81,11 @@ def _assert_same_trajectory(got, ref):
 
 
 @pytest.mark.parametrize("overrides, n, eps", [
-    ([], 24, 0.3),  # 3 branches; 24 rows pad to two blocks of 16
-    (["env.take_profit=[]", "env.stop_loss=[]", "env.cost_bps=10"], 16, 0.0),  # one branch
-    (["env.stop_loss=[]", "env.time_barrier=2", "env.ruin_floor=0.97"], 20, 0.5),
+    ([], 24, 0.3),  # 3 branches; 24 rows pad to two blocks of 16; fills at the next open
+    (["env.take_profit=[]", "env.stop_loss=[]", "env.cost_bps=10", "env.fill=close"], 16,
+     0.0),  # one branch
+    (["env.stop_loss=[]", "env.time_barrier=2", "env.ruin_floor=0.97", "env.fill=close",
+      "env.slippage_bps=5"], 20, 0.5),
 ])
 def test_fused_collection_equals_scan(tables, overrides, n, eps):
     seed = int(np.random.default_rng().integers(1 << 30))
@@ -155,7 +157,8 @@ def test_fused_collection_feeds_the_whole_experience_phase(tables):
                                 atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [[], ["env.ruin_floor=0.985", "env.cost_bps=20"]])
+@pytest.mark.parametrize("overrides", [
+    ["env.slippage_bps=2"], ["env.ruin_floor=0.985", "env.cost_bps=20", "env.fill=close"]])
 def test_fused_evaluation_equals_scan(tables, overrides):
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
@@ -175,9 +178,9 @@ def test_fused_evaluation_equals_scan(tables, overrides):
     assert set(out) == set(ref)
     same = _agreeing(out["action"], ref["action"])
     pick = lambda x: np.asarray(x)[:, same]  # noqa: E731
-    for k in ("bar", "next_bar", "terminated", "truncated", "traded", "alive"):
+    for k in ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive"):
         np.testing.assert_array_equal(pick(out[k]), pick(ref[k]), err_msg=k)
-    for k in ("portfolio", "next_portfolio", "reward", "equity", "exposure"):
+    for k in ("portfolio", "next_portfolio", "reward", "equity", "exposure", "turnover"):
         np.testing.assert_allclose(pick(out[k]), pick(ref[k]), rtol=2e-5, atol=2e-6, err_msg=k)
     assert not bool(jnp.all(ref["alive"]))  # some windows ended early (length or ruin)
 

@@ -83,21 +83,24 @@ def test_oracle_row_equals_reference_simulation(trained):
     w, steps = r.shape
     eq = np.full((w, steps + 1), np.nan)
     expo = np.zeros((w, steps))
-    traded = np.zeros((w, steps), bool)
+    fills = np.zeros((w, steps), np.int64)
+    turnover = np.zeros((w, steps))
     for i in range(w):
         n = int(lengths[i])
         ref = simulate(trainer.tables, cfg, starts[i:i + 1], actions[i:i + 1, :n])
         eq[i, 0], eq[i, 1:n + 1] = 1.0, ref["equity"][:, 0]
         expo[i, :n] = np.asarray(cfg.exposures)[actions[i, :n, 0]]
-        traded[i, :n] = ref["traded"][:, 0]
+        fills[i, :n], turnover[i, :n] = ref["fills"][:, 0], ref["turnover"][:, 0]
     got = res["metrics"]["per_instrument"]["oracle"]
     for i, name in enumerate(got):
-        ref_metrics = trading_metrics(eq[i], expo[i], traded[i], trainer.market.bars_per_year)
+        ref_metrics = trading_metrics(eq[i], expo[i], fills[i], trainer.market.bars_per_year,
+                                      turnover=turnover[i])
         np.testing.assert_allclose(got[name]["sharpe"], ref_metrics["sharpe"], rtol=1e-3)
         np.testing.assert_allclose(got[name]["total_return"], ref_metrics["total_return"],
                                    rtol=1e-3)
         assert got[name]["trades"] == ref_metrics["trades"]
         assert got[name]["bars"] == ref_metrics["bars"]
+        np.testing.assert_allclose(got[name]["turnover"], ref_metrics["turnover"], rtol=1e-6)
     np.testing.assert_allclose(res["paths"]["oracle"]["equity"], eq, rtol=1e-4)
 
 

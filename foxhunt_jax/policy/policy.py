@@ -1,8 +1,10 @@
 """A trained agent as a policy: decisions on the latest bars and a pure, jittable stepping form.
 
-Timing is the env's (docs/environment.md): the decision made at bar t fills at the close of t;
-the next bar's Open/High/Low are checked against its barriers and the position is marked at
-its close. :func:`step` is exactly the env's :func:`~foxhunt_jax.env.trading.advance` from bar
+Timing is the env's (docs/environment.md): the decision made at bar t fills at the open of the
+next bar t+1 (``env.fill: next_open``) or at the close of t (``close``); bar t+1's
+Open/High/Low are checked against the barriers and the position is marked at its close. Either
+way the fill happens when the next bar is stepped in, so a live step needs nothing beyond that
+bar. :func:`step` is exactly the env's :func:`~foxhunt_jax.env.trading.advance` from bar
 t to the new bar t+1 followed by the greedy decision at t+1; the env functions run on a
 two-row table per instrument (row 0 the current bar, row 1 the new one), so the portfolio and
 barrier accounting is the env's own. The decision is the network forward training and
@@ -62,7 +64,7 @@ class BarInputs:
 class PolicyState:
     """The live state between bars: ``portfolio`` (the env's :class:`EnvState` [N], its ``bar``
     0 = the current bar), the current ``bar`` ([N] inputs) and the ``action`` [N, B] decided at
-    it, which fills at its close when the next bar is stepped in."""
+    it, which fills (at its close or at the next bar's open) when the next bar is stepped in."""
 
     portfolio: trading.EnvState
     bar: BarInputs
@@ -78,10 +80,12 @@ class Decision:
     chosen action's expected Q and ``p_loss`` [N, B] its probability of a negative return
     (atoms below 0) per branch; ``equity`` [N] marked at this bar's close before the trade;
     ``after``: the portfolio once the action has filled at this close (exposure, units,
-    entry price, take-profit and stop-loss price levels, equity net of the trade's cost);
+    entry price, take-profit and stop-loss price levels, equity net of the trade's cost; under
+    ``next_open`` fills a preview priced at this close, since the next open is not known yet);
     ``barrier`` [N] int32: the barrier that closed a position on this bar (0 none, 1
-    take-profit, 2 stop-loss, 3 time; always 0 for a first decision) and ``terminated`` [N]:
-    equity fell below the ruin floor on this bar (the env's episode would end here).
+    take-profit, 2 stop-loss, 3 time, 4 ruin; always 0 for a first decision) and
+    ``terminated`` [N]: equity fell below the ruin floor on this bar (the env's episode would
+    end here).
     """
 
     action: jax.Array
@@ -269,8 +273,10 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner) -> tuple[Any, i
         stop_loss=sds((len(cfg.env.stop_loss),), jnp.float32),
         cost_rate=sds((), jnp.float32), fixed_cost=sds((), jnp.float32),
         ruin_floor=sds((), jnp.float32), reward_scale=sds((), jnp.float32),
+        slippage_rate=sds((), jnp.float32),
         episode_length=cfg.env.episode_length, time_barrier=cfg.env.time_barrier,
-        has_take_profit=bool(cfg.env.take_profit), has_stop_loss=bool(cfg.env.stop_loss))
+        has_take_profit=bool(cfg.env.take_profit), has_stop_loss=bool(cfg.env.stop_loss),
+        fill_next_open=cfg.env.fill == "next_open")
     shape = jax.eval_shape(lambda p, k: initial_state(learner, cfg, p, k), params,
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -10,7 +10,8 @@ Arrays are dicts: a bar holds ``features`` [N, F] and ``open``, ``high``, ``low`
 ``sigma`` [N] (N instruments); a decision holds ``action`` [N, B] (indices into the branches
 of ``policy.actions``), ``q`` (per branch [N, n_d] expected Q), ``mean`` and ``p_loss`` [N, B]
 (the chosen action's expected Q and probability of a negative return), ``equity`` [N], ``after``
-(the portfolio once the action has filled at the close: ``tp_price``, ``sl_price``, ...),
+(the portfolio once the action has filled at the close, a preview under next-open fills:
+``tp_price``, ``sl_price``, ...),
 ``barrier`` and ``terminated`` [N]. The portfolio starts flat with equity 1 unless given.
 """
 

@@ -28,11 +28,13 @@ Definitions (``W`` windows, ``T`` bars per window, ``E[w, t]`` equity, ``x[w, t]
 * ``max_drawdown``: mean over windows of ``max_t (1 - E[w, t] / max_{s <= t} E[w, s])``, a
   positive fraction (0.5 = lost half from the peak); ``max_drawdown_worst`` is the largest of them.
 * ``calmar``: ``annualized_return / max_drawdown``; 0 when ``max_drawdown <= 1e-12``.
-* ``turnover``: ``mean |x[w, t] - x[w, t-1]|`` over valid bars with ``x[w, -1] = 0`` (episodes
-  start flat; a NaN exposure on a valid bar counts as flat): average fraction of equity
-  traded per bar.
-* ``trades``: total count of trades (the sum of per-window counts, or of per-bar traded flags
-  over valid bars).
+* ``turnover``: average fraction of equity traded per bar: the mean over valid bars of the
+  per-bar ``turnover`` given (the env's: every fill counted, the chosen trades and the barrier
+  and ruin exits); without it, of ``|x[w, t] - x[w, t-1]|`` with ``x[w, -1] = 0`` (episodes
+  start flat; a NaN exposure on a valid bar counts as flat), which is exact only when every
+  position change is a chosen trade (buy-and-hold).
+* ``trades``: total count of trades (the sum of per-window counts, or of per-bar counts over
+  valid bars; pass the env's per-bar fills so that exits count).
 * ``time_in_market``: fraction of valid bars with ``x[w, t] != 0``.
 * ``hit_rate``: among valid bars with ``x[w, t] != 0``, the fraction with ``r[w, t] > 0``
   (how often holding a position paid over one bar); 0 when never in the market.
@@ -87,15 +89,17 @@ def _safe_ratio(num: float, den: float) -> float:
     return float(num / den) if den > _TINY else 0.0
 
 
-def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
+def trading_metrics(equity, exposure, trades, bars_per_year: float, turnover=None) -> dict:
     """Trading metrics of ``W`` equity paths (definitions in the module docstring).
 
     Args:
       equity: ``[W, T+1]`` (or ``[T+1]`` for one window) equity paths starting at the initial
         equity; may be NaN-padded after a window ends.
       exposure: ``[W, T]`` (or ``[T]``) position held over each bar (signed fraction of equity).
-      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar traded flags.
+      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar trade counts.
       bars_per_year: annualization factor, > 0.
+      turnover: ``[W, T]`` (or ``[T]``) fraction of equity traded on each bar, or None to take
+        it from the changes of ``exposure``.
 
     Returns:
       dict with the keys of :data:`METRIC_KEYS`.
@@ -103,8 +107,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     e = np.asarray(equity, np.float64)
     x = np.asarray(exposure, np.float64)
     tr = np.asarray(trades, np.float64)
+    per_bar = None if turnover is None else np.asarray(turnover, np.float64)
     if e.ndim == 1:  # one window: add the window axis everywhere
         e, x, tr = e[None], x[None], tr[None]
+        per_bar = None if per_bar is None else per_bar[None]
     if e.ndim != 2 or x.ndim != 2:
         raise ValueError(f"equity and exposure must be [W, T+1] and [W, T], got {e.shape}, "
                          f"{x.shape}")
@@ -113,6 +119,8 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
         raise ValueError(f"equity needs at least 2 points per window, got shape {e.shape}")
     if x.shape != (n_windows, t_plus_1 - 1):
         raise ValueError(f"exposure shape {x.shape} does not match equity shape {e.shape}")
+    if per_bar is not None and per_bar.shape != x.shape:
+        raise ValueError(f"turnover shape {per_bar.shape} does not match exposure {x.shape}")
     if tr.shape not in ((n_windows,), x.shape):
         raise ValueError(f"trades shape {tr.shape} must be ({n_windows},) or {x.shape}")
     if not bars_per_year > 0:
@@ -140,8 +148,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     dd = max_drawdowns(e)
     max_dd = float(np.mean(dd))
 
-    prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
-    turnover = float(np.abs(x - prev)[valid].sum() / n) if n else 0.0
+    if per_bar is None:
+        prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
+        per_bar = np.abs(x - prev)
+    turnover = float(np.nan_to_num(per_bar)[valid].sum() / n) if n else 0.0
     in_market = (x != 0) & valid
     n_in = int(in_market.sum())
     wins = int(((r_all > 0) & in_market).sum())
@@ -233,19 +243,19 @@ def portfolio_metrics(portfolio: dict, paths: dict, bars_per_year: float) -> dic
     """The metrics of a :func:`portfolio_by_date` portfolio: :func:`trading_metrics` of its
     curve (one window over its dates), except :data:`ACTIVITY_KEYS`, which are
     :func:`trading_metrics` of the instruments' walks ``paths`` (``equity [..., W, L+1]``,
-    ``exposure``, ``traded``) pooled: per-instrument turnover, all trades, the share of
-    instrument bars in the market and the share of those that paid. With leading axes, a list
-    over them flattened."""
+    ``exposure``, ``trades``, ``turnover``) pooled: per-instrument turnover, all fills (the
+    chosen trades and the barrier and ruin exits), the share of instrument bars in the market and
+    the share of those that paid. With leading axes, a list over them flattened."""
     e, x, tr = portfolio["equity"], portfolio["exposure"], portfolio["trades"]
     k, (w, n) = e.shape[-1], paths["equity"].shape[-2:]
     flat = lambda a, shape: np.reshape(a, (-1,) + shape)  # noqa: E731
     out = []
-    for curve, held, traded, pe, px, pt in zip(
+    for curve, held, traded, pe, px, pt, pu in zip(
             flat(e, (k,)), flat(x, (k - 1,)), flat(tr, (k - 1,)),
             flat(paths["equity"], (w, n)), flat(paths["exposure"], (w, n - 1)),
-            flat(paths["traded"], (w, n - 1))):
+            flat(paths["trades"], (w, n - 1)), flat(paths["turnover"], (w, n - 1))):
         metrics = trading_metrics(curve, held, traded, bars_per_year)
-        pooled = trading_metrics(pe, px, pt, bars_per_year)
+        pooled = trading_metrics(pe, px, pt, bars_per_year, turnover=pu)
         out.append({key: pooled[key] if key in ACTIVITY_KEYS else value
                     for key, value in metrics.items()})
     return out[0] if e.ndim == 1 else out
@@ -289,8 +299,8 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
     """Everything a full-split evaluation reports, from the walks of every policy.
 
     Args:
-      paths: policy name -> per-instrument paths (``equity [W, L+1]``, ``exposure``, ``traded``
-        ``[W, L]``) of the deterministic policies; ``agent`` among them (``flat`` gets no
+      paths: policy name -> per-instrument paths (``equity [W, L+1]``, ``exposure``,
+        ``trades`` (fills a bar) and ``turnover`` ``[W, L]``) of the deterministic policies; ``agent`` among them (``flat`` gets no
         per-instrument metrics).
       random_paths: the same with a leading axis ``[P, ...]``: ``P`` random policies.
       bar_dates, instruments: each walk's mark dates (:func:`portfolio_by_date`) and name.
@@ -306,10 +316,10 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
       :func:`beat_percentiles` of the agent's portfolio among them; ``per_instrument``: policy
       -> instrument -> the metrics of that instrument's own walk.
     """
-    portfolios = {name: portfolio_by_date(p["equity"], p["exposure"], p["traded"], bar_dates)
+    portfolios = {name: portfolio_by_date(p["equity"], p["exposure"], p["trades"], bar_dates)
                   for name, p in paths.items()}
     rand = portfolio_by_date(random_paths["equity"], random_paths["exposure"],
-                             random_paths["traded"], bar_dates)
+                             random_paths["trades"], bar_dates)
     metrics = {name: portfolio_metrics(portfolios[name], p, bars_per_year)
                for name, p in paths.items()}
     samples = portfolio_metrics(rand, random_paths, bars_per_year)
@@ -318,8 +328,9 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
     names = [n if list(instruments).count(n) == 1 else f"{n}#{w}"
              for w, n in enumerate(instruments)]  # a repeated name gets its walk's index
     metrics["per_instrument"] = {
-        name: {ins: trading_metrics(p["equity"][w], p["exposure"][w], p["traded"][w],
-                                    bars_per_year) for w, ins in enumerate(names)}
+        name: {ins: trading_metrics(p["equity"][w], p["exposure"][w], p["trades"][w],
+                                    bars_per_year, turnover=p["turnover"][w])
+               for w, ins in enumerate(names)}
         for name, p in paths.items() if name != "flat"}
     curves = {name: p["equity"] for name, p in portfolios.items()}
     for q in PERCENTILES:

@@ -136,14 +136,14 @@ def validation(learner: Learner, backend: Backend, cfg: Config, validation_env_p
     """Greedy rollouts of the W fixed validation windows (``window_starts`` ``[W]`` bars, L
     steps each) and the C51 loss on their transitions; changes no state.
 
-    Returns ``(paths, loss)``: ``paths`` holds ``[L, W]`` arrays ``equity``, ``exposure`` and
-    ``traded``; ``loss`` is a float32 ``[]``.
+    Returns ``(paths, loss)``: ``paths`` holds ``[L, W]`` arrays ``equity``, ``exposure``,
+    ``traded``, ``fills`` and ``turnover``; ``loss`` is a float32 ``[]``.
     """
     traj = validate.greedy_rollout(learner, backend, agent.params, validation_env_params,
                                    window_starts, cfg.env.episode_length, jax.random.key(0))
     loss = validate.validation_loss(learner, backend, agent.params, agent.target_params,
                                     validation_env_params, traj)
-    paths = {"equity": traj["equity"], "exposure": traj["exposure"], "traded": traj["traded"]}
+    paths = {k: traj[k] for k in ("equity", "exposure", "traded", "fills", "turnover")}
     return paths, loss
 
 

@@ -157,7 +157,7 @@ class EpochResults(NamedTuple):
 
     experience_stats: dict  # phases.experience's stats
     training_metrics: dict  # phases.training's metrics
-    validation_paths: dict  # [L, W] equity, exposure, traded
+    validation_paths: dict  # [L, W] equity, exposure, traded, fills, turnover
     validation_loss: jax.Array  # []
 
 

@@ -188,15 +188,15 @@ class Trainer:
         }
 
     def _metrics(self, paths: dict) -> dict:
-        return trading_metrics(paths["equity"], paths["exposure"], paths["traded"],
-                               self.market.bars_per_year)
+        return trading_metrics(paths["equity"], paths["exposure"], paths["trades"],
+                               self.market.bars_per_year, turnover=paths["turnover"])
 
     def _validation_buy_and_hold_metrics(self) -> dict:
         """Buy-and-hold's metrics on the validation windows (the same every epoch: cached)."""
         if self._validation_buy_and_hold is None:
             lengths = np.full(len(self.validation_starts), self.cfg.env.episode_length)
             self._validation_buy_and_hold = self._metrics(validate.buy_and_hold_paths(
-                self.tables.close, self.validation_starts, lengths, self.cfg.env.cost_bps / 1e4))
+                self.tables, self.cfg.env, self.validation_starts, lengths))
         return dict(self._validation_buy_and_hold)
 
     def evaluate_split(self, agent: AgentState, split: str, seed: int = 0) -> dict:
@@ -245,8 +245,8 @@ class Trainer:
             paths["oracle"] = validate.equity_paths(walk_with(
                 "oracle", run_oracle, split_params, jnp.asarray(self.tables.last_log_return),
                 *walk))
-        paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables.close, starts, lengths,
-                                                            self.cfg.env.cost_bps / 1e4)
+        paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
+                                                            lengths)
         paths["flat"] = validate.flat_paths(lengths)
         random = validate.walk_paths(walk_with("random", run_random, split_params,
                                                jax.random.key(seed + 1), *walk))

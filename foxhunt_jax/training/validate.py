@@ -53,7 +53,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
     observation belongs to). An episode stops after ``lengths[w]`` steps
     (default ``num_steps``) or when it terminates (ruin); after that it is masked out (equity
     NaN, reward 0, ``alive`` False). Returns a dict of [L, W] arrays: the compact encodings for
-    the loss, rewards, terminated, truncated, equity, exposure, traded, alive.
+    the loss, rewards, terminated, truncated, equity, exposure, traded, fills, turnover, alive.
     """
     obs, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
     w = starts.shape[0]
@@ -71,7 +71,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
         obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
                                                         env_params)
         out = _record(env_params, t, lengths, alive, state.bar, obs[:, -p:], state2.bar,
-                      obs2[:, -p:], action, reward, term, trunc, info["equity"], info["traded"])
+                      obs2[:, -p:], action, reward, term, trunc, info)
         keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state2 = jax.tree.map(keep, state2, state)
         obs2 = keep(obs2, obs)
@@ -84,17 +84,20 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
 
 
 def _record(env_params, t, lengths, alive, bar, portfolio, next_bar, next_portfolio, action,
-            reward, terminated, truncated, equity, traded) -> dict:
+            reward, terminated, truncated, info) -> dict:
     """One step's record of :func:`policy_rollout`, masked by ``alive`` (any batch shape: [W]
-    inside the scan, [L, W] for the fused kernel's raw results)."""
+    inside the scan, [L, W] for the fused kernel's raw results); ``info`` holds the step's
+    ``equity``, ``traded``, ``fills`` and ``turnover`` (the env's info)."""
     return {"bar": bar, "portfolio": portfolio, "next_bar": next_bar,
             "next_portfolio": next_portfolio, "action": action,
             "reward": jnp.where(alive, reward, 0.0), "terminated": terminated & alive,
             "truncated": (truncated | (t + 1 >= lengths)) & alive,
-            "equity": jnp.where(alive, equity, jnp.nan),
-            # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
+            "equity": jnp.where(alive, info["equity"], jnp.nan),
+            # the position taken into the bar is the chosen exposure (a trade moves to it, or it
+            # is kept); a barrier or ruin exit during the bar is counted in fills and turnover
             "exposure": jnp.where(alive, env_params.exposures[action[..., 0]], 0.0),
-            "traded": traded & alive, "alive": alive}
+            "traded": info["traded"] & alive, "fills": jnp.where(alive, info["fills"], 0),
+            "turnover": jnp.where(alive, info["turnover"], 0.0), "alive": alive}
 
 
 def greedy_policy(learner: Learner, backend: Backend, params):
@@ -120,7 +123,7 @@ def greedy_rollout(learner: Learner, backend: Backend, params, env_params, start
     raw = evaluate_trajectory(learner, backend, params, env_params, starts, num_steps, lengths)
     return _record(env_params, raw["step"], lengths, raw["alive"], raw["bar"], raw["portfolio"],
                    raw["next_bar"], raw["next_portfolio"], raw["action"], raw["reward"],
-                   raw["terminated"], raw["truncated"], raw["equity"], raw["traded"])
+                   raw["terminated"], raw["truncated"], raw)
 
 
 def random_policy(branch_sizes):
@@ -138,12 +141,12 @@ def random_walks(env_params, starts: jax.Array, num_steps: int, key: jax.Array,
     """``policies`` random policies (:func:`random_policy`, policy ``p`` drawing from
     ``split(key, policies)[p]``), each walking every window of :func:`policy_rollout`; one
     traced program (vmap over the policies). Returns ``[P, W, L]`` arrays ``equity``,
-    ``exposure``, ``traded`` and ``action [P, W, L, B]``."""
+    ``exposure``, ``traded``, ``fills``, ``turnover`` and ``action [P, W, L, B]``."""
     def walk(k):
         traj = policy_rollout(env_params, starts, num_steps, random_policy(branch_sizes), k,
                               lengths)
         return {name: jnp.swapaxes(traj[name], 0, 1)
-                for name in ("equity", "exposure", "traded", "action")}
+                for name in ("equity", "exposure", "traded", "fills", "turnover", "action")}
     return jax.vmap(walk)(jax.random.split(key, policies))
 
 
@@ -154,6 +157,11 @@ def oracle_policy(last_log_return, env_cfg):
     -1) after a down bar, i.e. :func:`foxhunt_jax.data.synthetic.oracle_exposure` of the last
     return; flat (the exposure nearest 0) after an unchanged close. Barrier branches take their
     widest multiple so the barriers interfere as little as the env allows.
+
+    The last return is known at the decision bar's close, as the agent's observation is, so the
+    oracle obeys the env's fill timing: under ``next_open`` fills it captures the next bar's
+    return from its open on (the synthetic opens sit at the previous close up to a tiny noise,
+    so it forgoes almost nothing); it never trades on a return it could not have seen.
 
     Args:
       last_log_return: [T] raw one-bar log returns of the whole table
@@ -215,20 +223,25 @@ def validation_loss(learner: Learner, backend: Backend, params, target_params, e
 
 
 def equity_paths(traj) -> dict:
-    """[W, L+1] equity starting at 1, [W, L] exposure and traded flags, as host NumPy."""
+    """[W, L+1] equity starting at 1; [W, L] exposure, traded flags (the chosen trades), trades
+    (every fill: chosen trades and barrier or ruin exits) and turnover, as host NumPy."""
     eq = np.asarray(traj["equity"], np.float64).T
     eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
     return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
-            "traded": np.asarray(traj["traded"]).T}
+            "traded": np.asarray(traj["traded"]).T, "trades": np.asarray(traj["fills"]).T,
+            "turnover": np.asarray(traj["turnover"], np.float64).T}
 
 
 def walk_paths(walks: dict) -> dict:
-    """:func:`random_walks`' arrays as host NumPy paths: ``equity [P, W, L+1]`` starting at 1,
-    ``exposure`` and ``traded [P, W, L]``, ``action [P, W, L, B]``."""
+    """:func:`random_walks`' arrays as host NumPy paths (:func:`equity_paths`' layout with a
+    leading ``[P]``): ``equity [P, W, L+1]`` starting at 1, ``exposure``, ``traded``, ``trades``
+    and ``turnover [P, W, L]``, ``action [P, W, L, B]``."""
     eq = np.asarray(walks["equity"], np.float64)
     eq = np.concatenate([np.ones(eq.shape[:-1] + (1,)), eq], axis=-1)
     return {"equity": eq, "exposure": np.asarray(walks["exposure"], np.float64),
-            "traded": np.asarray(walks["traded"]), "action": np.asarray(walks["action"])}
+            "traded": np.asarray(walks["traded"]), "trades": np.asarray(walks["fills"]),
+            "turnover": np.asarray(walks["turnover"], np.float64),
+            "action": np.asarray(walks["action"])}
 
 
 def flat_paths(lengths: np.ndarray) -> dict:
@@ -236,7 +249,8 @@ def flat_paths(lengths: np.ndarray) -> dict:
     exposure, no trades."""
     w, m = len(lengths), int(np.max(lengths))
     eq = np.where(np.arange(m + 1)[None, :] <= np.asarray(lengths)[:, None], 1.0, np.nan)
-    return {"equity": eq, "exposure": np.zeros((w, m)), "traded": np.zeros((w, m), bool)}
+    return {"equity": eq, "exposure": np.zeros((w, m)), "traded": np.zeros((w, m), bool),
+            "trades": np.zeros((w, m), np.int64), "turnover": np.zeros((w, m))}
 
 
 def walk_dates(timestamps: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list:
@@ -245,21 +259,26 @@ def walk_dates(timestamps: np.ndarray, starts: np.ndarray, lengths: np.ndarray) 
     return [np.asarray(timestamps[s:s + n + 1]) for s, n in zip(starts, lengths)]
 
 
-def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                       cost_rate: float) -> dict:
-    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure and trades."""
+def buy_and_hold_paths(tables, env_cfg, starts: np.ndarray, lengths: np.ndarray) -> dict:
+    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure, traded flags,
+    trades and turnover (:func:`equity_paths`' layout): one buy, filled by the env's rule
+    (``env.fill``: the first bar's close, or the next bar's open; ``env.slippage_bps`` against
+    it, ``env.cost_bps`` on top), then held and marked at each close."""
+    cost, slip = env_cfg.cost_bps / 1e4, env_cfg.slippage_bps / 1e4
     w, m = len(starts), int(np.max(lengths))
     eq = np.full((w, m + 1), np.nan)
     expo = np.zeros((w, m))
     traded = np.zeros((w, m), bool)
     for i, (s, n) in enumerate(zip(starts, lengths)):
-        px = np.asarray(close[s:s + n + 1], np.float64)
-        units = 1.0 / (px[0] * (1.0 + cost_rate))
+        px = np.asarray(tables.close[s:s + n + 1], np.float64)
+        fill = float(tables.open[s + 1]) if env_cfg.fill == "next_open" else px[0]
+        units = 1.0 / (fill * (1.0 + slip) * (1.0 + cost))
         eq[i, :n + 1] = units * px
         eq[i, 0] = 1.0
         expo[i, :n] = 1.0
         traded[i, 0] = True
-    return {"equity": eq, "exposure": expo, "traded": traded}
+    return {"equity": eq, "exposure": expo, "traded": traded, "trades": traded.astype(np.int64),
+            "turnover": traded.astype(np.float64)}
 
 
 def is_synthetic(market) -> bool:
