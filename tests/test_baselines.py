@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,22 @@ def test_random_percentiles_equal_float64_reference(walked):
     np.testing.assert_array_equal(res["curves"]["flat"], 1.0)
     assert set(res["metrics"]["per_instrument"]) == {"agent"}
     assert list(res["metrics"]["per_instrument"]["agent"]) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("fill", ["next_open", "close"])
+def test_buy_and_hold_fills_by_the_env_rule(fill):
+    rng = np.random.default_rng(3)
+    close = np.exp(np.cumsum(rng.normal(0, 0.01, 30))) * 50
+    opens = close * np.exp(rng.normal(0, 0.003, 30))
+    tables = SimpleNamespace(close=close.astype(np.float32), open=opens.astype(np.float32))
+    env_cfg = EnvConfig(fill=fill, cost_bps=7.0, slippage_bps=3.0)
+    starts, lengths = np.array([2, 10]), np.array([9, 5])
+    got = validate.buy_and_hold_paths(tables, env_cfg, starts, lengths)
+    for w, (s, n) in enumerate(zip(starts, lengths)):
+        price = float(opens.astype(np.float32)[s + 1]) if fill == "next_open" else float(
+            close.astype(np.float32)[s])
+        units = 1.0 / (price * 1.0003 * 1.0007)
+        want = units * close.astype(np.float32)[s + 1:s + n + 1].astype(np.float64)
+        np.testing.assert_allclose(got["equity"][w, 1:n + 1], want, rtol=1e-12)
+        assert got["equity"][w, 0] == 1.0 and np.all(np.isnan(got["equity"][w, n + 1:]))
+        assert got["trades"][w].sum() == 1 and got["exposure"][w, :n].tolist() == [1.0] * n
