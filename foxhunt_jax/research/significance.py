@@ -120,10 +120,11 @@ def probabilistic_sharpe_ratio(sr: float, sr_benchmark: float, n: int, skew: flo
                                kurtosis: float) -> float:
     """Probability that the true Sharpe ratio exceeds ``sr_benchmark``, given the estimate.
 
-    ``PSR = Phi((sr - sr_benchmark) * sqrt(n - 1) / sqrt(1 - skew * sr + (kurtosis - 1) / 4 * sr^2))``
-    with ``Phi`` the standard normal CDF (Bailey and López de Prado, 2012, "The Sharpe Ratio
-    Efficient Frontier", from the asymptotic variance of the Sharpe estimator of non-normal
-    returns; Mertens, 2002).
+    ``PSR = Phi((sr - sr_benchmark) * sqrt(n - 1) / sqrt(v))`` with
+    ``v = 1 - skew * sr + (kurtosis - 1) / 4 * sr^2`` and ``Phi`` the standard normal CDF
+    (Bailey and López de Prado, 2012, "The Sharpe Ratio Efficient Frontier", Journal of Risk;
+    ``v / (n - 1)`` is the asymptotic variance of the Sharpe estimator of non-normal iid
+    returns, Mertens, 2002).
 
     Args:
       sr: observed per-period (not annualized) Sharpe ratio.
