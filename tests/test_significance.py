@@ -222,6 +222,8 @@ def test_t_quantiles_match_known_values_and_scipy():
         assert student_t_quantile(p, dof) == pytest.approx(stats.t.ppf(p, dof), rel=1e-9, abs=1e-12)
         t = float(rng.normal(0, 3))
         assert student_t_cdf(t, dof) == pytest.approx(stats.t.cdf(t, dof), rel=1e-10, abs=1e-14)
+    for p in (1e-12, 1e-6, 0.5, 1 - 1e-9):  # far tails keep their precision
+        assert student_t_quantile(p, 3) == pytest.approx(stats.t.ppf(p, 3), rel=1e-12)
 
 
 def test_mean_ci_matches_scipy_t_interval():

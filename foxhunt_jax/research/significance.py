@@ -408,6 +408,11 @@ def _regularized_beta(x: float, a: float, b: float) -> float:
     return front / _beta_continued_fraction(x, a, b)
 
 
+def _t_upper_tail(t: float, dof: float) -> float:
+    """``P(T > t)`` for ``t >= 0``: ``I_{dof/(dof+t^2)}(dof/2, 1/2) / 2``."""
+    return 0.5 * _regularized_beta(dof / (dof + t * t), dof / 2.0, 0.5)
+
+
 def student_t_cdf(t: float, dof: float) -> float:
     """CDF of Student's t distribution with ``dof > 0`` degrees of freedom.
 
@@ -417,15 +422,16 @@ def student_t_cdf(t: float, dof: float) -> float:
     """
     if not dof > 0:
         raise ValueError(f"dof must be > 0, got {dof}")
-    tail = 0.5 * _regularized_beta(dof / (dof + t * t), dof / 2.0, 0.5)
+    tail = _t_upper_tail(abs(t), dof)
     return 1.0 - tail if t >= 0 else tail
 
 
 def student_t_quantile(p: float, dof: float) -> float:
     """Quantile of Student's t distribution: the ``t`` with ``student_t_cdf(t, dof) = p``.
 
-    Found by bisection on :func:`student_t_cdf` (monotone) to float64 resolution, after
-    doubling an upper bracket; ``t(p) = -t(1 - p)``.
+    Found by bisection to float64 resolution on the tail ``P(T > |t|) = min(p, 1 - p)``
+    (monotone; the tail keeps its precision for ``p`` near 0 or 1), after doubling an upper
+    bracket, with the sign of ``p - 1/2``.
 
     Args:
       p: probability in ``(0, 1)``.
@@ -438,20 +444,21 @@ def student_t_quantile(p: float, dof: float) -> float:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if not dof > 0:
         raise ValueError(f"dof must be > 0, got {dof}")
-    if p < 0.5:
-        return -student_t_quantile(1.0 - p, dof)
+    if p == 0.5:
+        return 0.0
+    tail = min(p, 1.0 - p)  # P(T > |t|), exact in float64 on both sides
     low, high = 0.0, 1.0
-    while student_t_cdf(high, dof) < p:
+    while _t_upper_tail(high, dof) > tail:
         low, high = high, 2.0 * high
     for _ in range(200):
         mid = 0.5 * (low + high)
         if mid in (low, high):
             break
-        if student_t_cdf(mid, dof) < p:
+        if _t_upper_tail(mid, dof) > tail:
             low = mid
         else:
             high = mid
-    return 0.5 * (low + high)
+    return 0.5 * (low + high) if p >= 0.5 else -0.5 * (low + high)
 
 
 class MeanInterval(NamedTuple):
