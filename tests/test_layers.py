@@ -1,5 +1,5 @@
 """Imports only go down the layers: foundation -> data -> env -> pallas_kernels -> agent ->
-backend -> training -> policy -> api/cli.
+backend -> training -> research -> policy -> api/cli.
 
 Every module of ``foxhunt_jax`` and ``pallas_kernels`` is parsed with ``ast`` and each of its
 imports (top-level and inside functions) of those packages is checked:
@@ -42,6 +42,7 @@ LAYERS = [
     ("agent", ("foxhunt_jax.agent",)),
     ("backend", ("foxhunt_jax.backend",)),
     ("training", ("foxhunt_jax.training",)),
+    ("research", ("foxhunt_jax.research",)),  # significance of the training's metrics
     ("policy", ("foxhunt_jax.policy",)),
     ("api/cli", ("foxhunt_jax.api", "foxhunt_jax.cli", "foxhunt_jax.bench",
                  "foxhunt_jax.__main__", "foxhunt_jax")),
