@@ -254,6 +254,8 @@ def test_mean_ci_matches_scipy_t_interval():
     (lambda: probability_of_backtest_overfitting(np.ones((7, 3)), 4), "at least 8"),
     (lambda: probability_of_backtest_overfitting(np.ones(20), 2), "2-D"),
     (lambda: probability_of_backtest_overfitting(np.ones((20, 3)), 2, score=np.mean), "score"),
+    (lambda: probability_of_backtest_overfitting(
+        np.ones((20, 3)), 2, score=lambda b: np.full(3, np.inf)), "non-finite"),
     (lambda: block_bootstrap_ci(np.ones(10), np.mean, block=3), "statistic"),
     (lambda: block_bootstrap_ci(np.ones(10), lambda r: r.mean(-1), block=11), "block"),
     (lambda: block_bootstrap_ci(np.ones(10), lambda r: r.mean(-1), block=2, draws=1), "draws"),

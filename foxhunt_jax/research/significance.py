@@ -73,7 +73,7 @@ def sharpe_ratio(returns, periods_per_year: float = 1.0) -> SharpeRatio:
     ``SR = mean(r) / std(r)`` (``std`` with ``ddof=0``, risk-free rate 0), 0 when
     ``std(r) <= 1e-12``; annualized ``SR * sqrt(periods_per_year)``. This is the ``sharpe`` of
     :func:`foxhunt_jax.training.metrics.trading_metrics` for the equity path
-    ``exp(cumsum(r))`` (Sharpe, 1966 and 1994, with the sample standard deviation).
+    ``exp(cumsum(r))`` (Sharpe, 1966 and 1994, with the ``ddof=0`` standard deviation).
 
     Args:
       returns: ``[..., T]`` log returns, ``T >= 2``; leading axes are separate series.
@@ -284,6 +284,8 @@ def probability_of_backtest_overfitting(
         if score_in.shape != (n_trials,) or score_out.shape != (n_trials,):
             raise ValueError(f"score must map a [rows, {n_trials}] block to [{n_trials}] "
                              f"scores, got {score_in.shape}")
+        if not (np.all(np.isfinite(score_in)) and np.all(np.isfinite(score_out))):
+            raise ValueError(f"score returned non-finite scores on combination {chosen}")
         star = int(np.argmax(score_in))
         value = score_out[star]
         rank = np.sum(score_out < value) + 0.5 * (np.sum(score_out == value) + 1)
