@@ -3,6 +3,7 @@ and direct loops) on fresh random inputs, a published example, and their rates o
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,3 +268,12 @@ def test_mean_ci_matches_scipy_t_interval():
 def test_bad_input_raises_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_the_example_of_docs_research_runs():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "research.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {}
+    exec(compile(block, "docs/research.md", "exec"), scope)
+    assert 0.0 <= scope["dsr"].probability <= 1.0 and 0.0 <= scope["pbo"].pbo <= 1.0
+    assert scope["ci"].low <= scope["ci"].estimate <= scope["ci"].high
