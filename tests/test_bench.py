@@ -280,16 +280,21 @@ def test_cmdbuf_section_times_xla_s_own_command_buffer_kinds():
     assert set(kinds.split(",")) == library - {"WHILE", "CONDITIONAL"}
 
 
-def test_train_rates_of_a_phase_below_the_timer_resolution_are_not_a_division_by_zero():
-    """A tiny workload's training phase can measure 0 ms: its rates are missing, not infinite,
-    and the table still has its row."""
+def test_rates_of_a_phase_timed_at_zero_are_missing_not_a_division_by_zero():
+    """A tiny workload's phase can measure 0 ms (queued work done before its clock is read):
+    its rates are missing, not infinite, and the tables still have its rows."""
     phase = {"median": 0.0, "p25": 0.0, "p75": 0.0}
     row = {"backend": "xla", "dtype": "bfloat16", "batch_size": 16, "train_step_ms": 0.0,
            "phases": {k: phase for k in ("experience", "training", "validation", "total")}}
     [t] = train_section.seed_train_rows([row])
     assert t["steps_per_s"] is None and t["samples_per_s"] is None
-    text = report.tables({"meta": {}, "train": {"rows": [t]}})
+    assert common.per_second(16, 4.0) == pytest.approx(4000.0)
+    col = {"n": 16, "kind": "experience (seed epoch)", "backend": "xla", "dtype": "bfloat16",
+           "ms": 0.0, "env_steps_per_s": None}
+    text = report.tables({"meta": {"variants": [["xla", "bfloat16"]]}, "train": {"rows": [t]},
+                          "collect": {"episode_length": 8, "rows": [col]}})
     assert "| bfloat16 | 16 | 0.000 | n/a | n/a" in text
+    assert "| 16 | experience (seed epoch) | n/a |" in text
 
 
 def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
@@ -326,13 +331,19 @@ def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
                                                    "act", "bootstrap_loss"}
     assert printed.count("| 64 | ") >= len(fwd["rows"])
     col = saved["collect"]
-    assert {(r["kind"], r["backend"]) for r in col["rows"]} >= {
-        ("rollout", "xla"), ("rollout", "pallas"), ("experience", "xla"),
-        ("experience", "pallas"), ("experience (seed epoch)", "xla")}
+    assert sorted((r["kind"], r["backend"]) for r in col["rows"]) == [
+        ("experience (seed epoch)", "pallas"), ("experience (seed epoch)", "xla"),
+        ("rollout", "pallas"), ("rollout", "xla")]
+    for r in col["rows"] + col["breakdown"]:
+        if r["ms"] == 0:  # a queued phase can finish before its clock is read
+            assert r["kind"] == "experience (seed epoch)" and r["env_steps_per_s"] is None
+        else:
+            assert r["env_steps_per_s"] > 0
     assert {r["kind"] for r in col["breakdown"]} == {"rollout_no_curiosity",
                                                     "env_only_random_actions"}
     assert "error" not in col["equality"] and col["equality"]["n"] == 16
     assert printed.count("breakdown N=16") == 2
+    assert "| 16 | rollout | " in printed and "| 16 | experience (seed epoch) | " in printed
     trn = saved["train"]["rows"]
     assert [(r["batch"], r["dtype"]) for r in trn] == [(16, "float32"), (128, "bfloat16"),
                                                        (128, "float32")]

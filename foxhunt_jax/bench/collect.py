@@ -19,8 +19,8 @@ import numpy as np
 
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import init_agent, make_learner
-from foxhunt_jax.bench.common import (Deadline, build_trainer, rel_err, spread, time_calls,
-                                      variant_cfg)
+from foxhunt_jax.bench.common import (Deadline, build_trainer, format_rate, per_second, rel_err,
+                                      spread, time_calls, variant_cfg)
 from foxhunt_jax.env import trading
 from foxhunt_jax.env.trading import PORTFOLIO_DIM
 from foxhunt_jax.jitcache import jit
@@ -67,10 +67,13 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             out["rows"].append({"n": r["num_episodes"], "backend": r["backend"],
                                 "dtype": r["dtype"], "kind": "experience (seed epoch)",
                                 "ms": ms, "env_steps_per_s":
-                                    r["num_episodes"] * r["episode_length"] / (ms * 1e-3)})
+                                    per_second(r["num_episodes"] * r["episode_length"], ms)})
     eps = 0.1  # a late-training epsilon: mostly greedy actions, as after the decay
     largest = max(args.collect_n)
-    bd_variant = (("pallas", "bfloat16") if ("pallas", "bfloat16") in args.variants
+    # the breakdown of the fast path; --quick takes the first variant, the cheapest to compile
+    # on a CPU (the kernels' paths run in the rollout rows)
+    bd_variant = (args.variants[0] if args.quick
+                  else ("pallas", "bfloat16") if ("pallas", "bfloat16") in args.variants
                   else args.variants[-1])
     for n in args.collect_n:
         cfg0 = variant_cfg(args, "xla", "float32", [f"train.num_episodes={n}"])
@@ -103,10 +106,10 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                                     warmup=1)
                     med = statistics.median(ms)
                     row.update({"ms": med, "ms_spread": spread(ms),
-                                "env_steps_per_s": n * length / (med * 1e-3),
+                                "env_steps_per_s": per_second(n * length, med),
                                 "us_per_step": med * 1e3 / length})
                     print(f"  collect N={n} {backend}/{dtype} {kind}: {med:.2f} ms, "
-                          f"{row['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s", flush=True)
+                          f"{format_rate(row['env_steps_per_s'])} env-steps/s", flush=True)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                     print(f"  collect N={n} {backend}/{dtype} {kind}: FAILED {row['error'][:200]}",
@@ -138,7 +141,7 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                                     warmup=1)
                     med = statistics.median(ms)
                     row.update({"ms": med, "ms_spread": spread(ms),
-                                "env_steps_per_s": n * length / (med * 1e-3)})
+                                "env_steps_per_s": per_second(n * length, med)})
                     print(f"  experience N={n} {backend}/{dtype}: {med:.2f} ms", flush=True)
                     del buf
                 except Exception as e:

@@ -135,6 +135,21 @@ def vname(backend: str, dtype: str) -> str:
     return f"{backend}/{SHORT_DTYPE[dtype]}"
 
 
+def per_second(count: float, ms: float) -> float | None:
+    """``count`` per second at ``ms``; None where the time measured no more than zero (a phase
+    that finished before its clock was read, or shorter than the timer's resolution, on a tiny
+    workload)."""
+    return count * 1e3 / ms if ms > 0 else None
+
+
+def format_rate(per_s: float | None) -> str:
+    """A rate for the tables: ``1.234e9`` from 10 million a second up, 3 digits below it, n/a
+    where it was not measured."""
+    if per_s is None:
+        return "n/a"
+    return f"{per_s / 1e9:.3f}e9" if per_s >= 1e7 else f"{per_s:.3g}"
+
+
 def rel_err(got, ref) -> float:
     """Largest absolute difference relative to the reference's largest magnitude."""
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))

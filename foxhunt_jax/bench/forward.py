@@ -20,8 +20,8 @@ from foxhunt_jax.agent import curiosity
 from foxhunt_jax.agent.loss import bootstrap_loss
 from foxhunt_jax.agent.network import (act, explore_draws, make_network, q_forward, support,
                                        taken_logits)
-from foxhunt_jax.bench.common import (Deadline, kernel_config_name, obs_dim_of, rel_err, spread,
-                                      time_calls, variant_cfg)
+from foxhunt_jax.bench.common import (Deadline, kernel_config_name, obs_dim_of, per_second,
+                                      rel_err, spread, time_calls, variant_cfg)
 from foxhunt_jax.jitcache import jit
 from pallas_kernels import rnd as rnd_kernel
 from pallas_kernels.q_forward import (KernelConfig, default_config, forward_flops,
@@ -247,8 +247,9 @@ def time_backends(out: dict, fns: dict, params, inputs: dict, extra, reps: int, 
 def forward_rates(ms: list[float], n: int, flops: int) -> dict:
     """Median time, its spread, rows/s and achieved TFLOP/s of ``n`` rows of ``flops``."""
     med = statistics.median(ms)
-    return {"ms": med, "ms_spread": spread(ms), "rows_per_s": n / (med * 1e-3),
-            "tflops": n * flops / (med * 1e-3) / 1e12}
+    flops_per_s = per_second(n * flops, med)
+    return {"ms": med, "ms_spread": spread(ms), "rows_per_s": per_second(n, med),
+            "tflops": flops_per_s and flops_per_s / 1e12}
 
 
 def forward_equality(q, a, ref_q, ref_a, sizes) -> dict:

@@ -89,8 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the collection breakdown (no curiosity, no Q-forward) at the "
                         "largest N")
     p.add_argument("--experience-n", type=parse_ints, default=None,
-                   help="N at which the whole experience phase is timed too (default 16384; the"
-                        " seed section has N = 1024; its priority pass holds N*L activations)")
+                   help="N at which the whole experience phase is timed too (default 16384, quick"
+                        " none; the seed section has N = 1024; its priority pass holds N*L"
+                        " activations)")
     p.add_argument("--big-batch", type=int, default=None, help="training batch (default 4096; quick 128)")
     p.add_argument("--replay-capacities", type=parse_capacities, default="2^20,2^22",
                    help="replay buffer capacities, e.g. 2^20,4194304 (default 2^20,2^22)")

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from foxhunt_jax.bench.common import SHORT_DTYPE, vname
+from foxhunt_jax.bench.common import SHORT_DTYPE, format_rate, vname
 from foxhunt_jax.bench.options import SECTIONS
 from foxhunt_jax.bench.train import seed_train_rows
 from foxhunt_jax.config import load_config
@@ -140,7 +140,7 @@ def tables(res: dict) -> str:
                   "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for r in sorted(fwd["rows"], key=lambda r: (r["n"], r["dtype"], r["backend"])):
             lines.append(f"| {r['n']:,} | {vname(r['backend'], r['dtype'])} | {r['config']} | "
-                         f"{r['ms']:.3f} | {r['rows_per_s'] / 1e9:.3f}e9 | {r['tflops']:.1f} | "
+                         f"{r['ms']:.3f} | {format_rate(r['rows_per_s'])} | {_f(r['tflops'], '{:.1f}')} | "
                          f"{_f(r.get('q_rel_err'), '{:.1e}')} | {r.get('action_mismatch', '-')} |")
     for r in fwd.get("equality", []):
         if "error" in r:
@@ -159,13 +159,13 @@ def tables(res: dict) -> str:
                 r = next((x for x in col["rows"] if x["n"] == n and x["kind"] == kind
                           and x["backend"] == b and x["dtype"] == d), None)
                 cells.append("-" if r is None else ("error" if "error" in r else
-                                                    f"{r['env_steps_per_s'] / 1e9:.3f}e9"))
+                                                    format_rate(r["env_steps_per_s"])))
             lines.append(f"| {n:,} | {kind} | " + " | ".join(cells) + " |")
         for r in col.get("breakdown", []):
             if "ms" in r:
                 lines.append(f"breakdown N={r['n']:,} {vname(r['backend'], r['dtype'])} "
                              f"{r['kind']}: {r['ms']:.2f} ms ({r['us_per_step']:.1f} us/step), "
-                             f"{r['env_steps_per_s'] / 1e9:.3f}e9 env-steps/s")
+                             f"{format_rate(r['env_steps_per_s'])} env-steps/s")
     trn = res.get("train", {})
     if trn.get("rows"):
         lines += ["", "Training throughput",

@@ -37,7 +37,8 @@ SECTION_MIN_S = {"replay": 40, "train": 25, "cmdbuf": 40, "compile": 15}
 def apply_defaults(args) -> None:
     """Fills the options left unset with the full run's sizes, or the tiny ones of ``--quick``:
     one size of each kind, both backends and both precisions (``xla:float32,pallas:bfloat16``),
-    and the compile section's fresh processes for the first variant only."""
+    the compile section's fresh processes for the first variant only, and no separate timing of
+    the experience phase."""
     q = args.quick
     if args.config is None:
         args.config = "smoke" if q else "seed"
@@ -54,7 +55,8 @@ def apply_defaults(args) -> None:
     if args.collect_n is None:
         args.collect_n = (16,) if q else (1024, 16384, 262144, 1048576)
     if args.experience_n is None:
-        args.experience_n = (16,) if q else (16384,)
+        # --quick: the seed section's experience rows are that phase at the same N already
+        args.experience_n = () if q else (16384,)
     if args.big_batch is None:
         args.big_batch = 128 if q else 4096
     if isinstance(args.kernel_configs, str):

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import traceback
 
-from foxhunt_jax.bench.common import Deadline, build_trainer, variant_cfg
+from foxhunt_jax.bench.common import Deadline, build_trainer, per_second, variant_cfg
 from foxhunt_jax.bench.seed import run_epochs
-
-
-def per_second(count: float, ms: float) -> float | None:
-    """``count`` per second at ``ms`` a step; None where the time measured no more than zero
-    (a phase shorter than the timer's resolution on a tiny workload)."""
-    return count * 1e3 / ms if ms > 0 else None
 
 
 def seed_train_rows(seed_rows: list) -> list[dict]:
