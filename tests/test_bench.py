@@ -225,8 +225,9 @@ def test_argument_parsing_and_cli_entry():
     assert options.parse_ints("1024,1_048_576") == (1024, 1048576)
     args = build_parser().parse_args(["bench", "--quick", "--sections", "device"])
     assert args._run is cmd_bench and args.quick and args.sections == "device"
-    with pytest.raises(SystemExit, match="unknown section"):
-        runner.main(["--quick", "--sections", "gpu"])
+    assert options.parse_sections("seed, forward") == ("seed", "forward")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown section"):
+        options.parse_sections("seed,gpu")
 
 
 def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_time(monkeypatch):

@@ -12,6 +12,16 @@ SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay"
 DEFAULT_VARIANTS = "xla:float32,xla:bfloat16,pallas:bfloat16"
 
 
+def parse_sections(text: str) -> tuple[str, ...]:
+    """``"seed,forward"`` -> the named sections, each one of :data:`SECTIONS`."""
+    out = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in out if s not in SECTIONS]
+    if unknown or not out:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown or [text]}; known: "
+                                         f"{','.join(SECTIONS)}")
+    return out
+
+
 def parse_variants(text: str) -> tuple[tuple[str, str], ...]:
     """``"xla:f32,pallas:bf16"`` -> ``(("xla", "float32"), ("pallas", "bfloat16"))``."""
     out = []
@@ -68,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dotted config override (repeatable)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--quick", action="store_true", help="every section at tiny sizes: a check of every code path, in minutes on a CPU")
-    p.add_argument("--sections", default=",".join(SECTIONS),
+    p.add_argument("--sections", type=parse_sections, default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--variants", type=parse_variants, default=None,
                    help=f"backend:dtype list (default {DEFAULT_VARIANTS}; quick xla:float32,"

@@ -22,6 +22,7 @@ from foxhunt_jax.bench.common import Deadline, git_commit, parse_kernel_configs,
 from foxhunt_jax.bench.options import DEFAULT_VARIANTS, SECTIONS, add_arguments, parse_variants
 from foxhunt_jax.bench.report import roofline, run_merge, tables
 from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.jitcache import compilation_cache_in, compiler_options
 
 # --quick: the smoke config shrunk further, so that every code path runs in seconds on a CPU
@@ -62,7 +63,7 @@ def apply_defaults(args) -> None:
     if isinstance(args.kernel_configs, str):
         args.kernel_configs = parse_kernel_configs(args.kernel_configs) if args.kernel_configs else ()
     if args.epochs < (0 if args.child else 1) or args.warmup < 0:
-        raise SystemExit("error: --epochs must be >= 1 and --warmup >= 0")
+        raise ConfigError("--epochs must be >= 1 and --warmup >= 0")
     if q and not args.child:
         args.overrides = list(QUICK_OVERRIDES) + list(args.overrides)
 
@@ -123,10 +124,7 @@ def run_section(name: str, args, out: dict, deadline: Deadline, market, res: dic
 def run_sections(args, argv) -> dict:
     """Every asked section in this process, in :data:`SECTIONS`' order; the JSON saved after
     each."""
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise SystemExit(f"error: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
+    sections = list(args.sections)
     deadline = Deadline(args.time_budget)
     d = jax.devices()[0]
     res: dict = {"meta": {
