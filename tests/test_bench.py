@@ -224,7 +224,7 @@ def test_argument_parsing_and_cli_entry():
             common.parse_kernel_configs(bad)
     assert options.parse_ints("1024,1_048_576") == (1024, 1048576)
     args = build_parser().parse_args(["bench", "--quick", "--sections", "device"])
-    assert args._run is cmd_bench and args.quick and args.sections == "device"
+    assert args._run is cmd_bench and args.quick and args.sections == ("device",)
     assert options.parse_sections("seed, forward") == ("seed", "forward")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown section"):
         options.parse_sections("seed,gpu")
