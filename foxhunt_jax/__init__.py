@@ -4,7 +4,7 @@ Library entry points (imported lazily so that ``foxhunt-jax data check`` starts 
 ``load_config``, ``train``, ``evaluate``, ``load_market``.
 """
 
-__version__ = "0.1.0"
+from foxhunt_jax.version import __version__
 
 _LAZY = {
     "load_config": ("foxhunt_jax.config", "load_config"),

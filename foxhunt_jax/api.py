@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -19,10 +22,13 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
-from foxhunt_jax.errors import ConfigError, NonFiniteError
+from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
+from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.training import checkpoint, report
-from foxhunt_jax.training.rundir import RunWriter, read_metrics
-from foxhunt_jax.training.trainer import Trainer, TrainerState, all_finite
+from foxhunt_jax.training.phases import TrainerState, all_finite
+from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
+                                         to_jsonable)
+from foxhunt_jax.training.trainer import Trainer
 
 
 @dataclass
@@ -30,7 +36,7 @@ class TrainResult:
     state: TrainerState
     trainer: Trainer
     history: list[dict]
-    summary: dict  # final validation/test metrics of agent, buy-and-hold and random
+    summary: dict  # final validation/test metrics (metrics.evaluation_results' layout)
 
 
 def phase_line(rec: dict, epochs: int) -> str:
@@ -47,7 +53,8 @@ def phase_line(rec: dict, epochs: int) -> str:
 def compile_line(rec: dict, trainer: Trainer) -> str:
     """How the phase programs were obtained: compiled, or loaded from the executable cache."""
     ms, loaded = rec["phase_ms"], trainer.executables_loaded
-    how = (f"{loaded} of 3 loaded from the executable cache" if loaded
+    how = (f"{loaded} of {len(trainer.pipeline.programs)} loaded from the executable cache"
+           if loaded
            else "compiled; none was in the executable cache")
     return (f"phase programs ready in {ms['compile'] / 1e3:.1f} s ({how}); state init "
             f"{ms['init'] / 1e3:.1f} s")
@@ -81,10 +88,15 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
           final_report: bool = True, devices: list | None = None) -> TrainResult:
     """Trains for ``cfg.train.epochs`` epochs; with ``out_dir`` writes the run directory.
 
-    ``resume`` continues from the latest checkpoint in ``out_dir`` (the config must be the one
-    the run was started with, apart from ``train.epochs``); the checkpoint may come from another
-    device count. Raises NonFiniteError when the loss or parameters become NaN/Inf; the last good
-    checkpoint stays as it was.
+    ``out_dir`` is checked, marked and locked first (:func:`foxhunt_jax.training.rundir.open_run`):
+    a file, a folder that cannot be written, a non-empty folder that holds no run, a fresh start
+    into a run with a checkpoint and a folder another live process writes raise ConfigError
+    before any data is loaded, and nothing is written. A fresh start into a run folder without
+    a checkpoint drops its records. ``resume`` continues from the newest intact checkpoint in
+    ``out_dir`` (a damaged one is skipped with a warning; the config must be the one the run was
+    started with, apart from ``train.epochs``) and drops the records of later epochs; the
+    checkpoint may come from another device count. Raises NonFiniteError when the loss or
+    parameters become NaN/Inf; the last good checkpoint stays as it was.
 
     ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
     count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
@@ -96,25 +108,56 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     if not lead:
         progress = False
     out = Path(out_dir) if out_dir is not None else None
-    if resume:
-        if out is None or checkpoint.latest_step(out / "checkpoints") is None:
-            raise ConfigError(f"--resume: no checkpoint found in {out}/checkpoints")
-        saved = from_dict(read_yaml(out / "config.yaml"))
-        if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
-            raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
-                              "(only train.epochs may change)")
+    if resume and out is None:
+        raise ConfigError("--resume needs the run folder (--out)")
+    if out is not None:
+        # process 0, the writer, checks, marks and locks the folder before any data or compile
+        # work (the others would race with its first writes)
+        if lead:
+            check_run_folder(out, resume)
+        if resume:
+            saved = from_dict(read_yaml(out / "config.yaml"))
+            if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
+                raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
+                                  "(only train.epochs may change)")
+        writer = open_run(out, dump_yaml(cfg), resume=resume,
+                          process_index=jax.process_index(), warn=_warn if lead else None)
+    else:
+        writer = None
+    try:
+        return _train(cfg, out, writer, resume=resume, progress=progress, log=log,
+                      final_report=final_report, devices=devices)
+    except BaseException:
+        if writer is not None:  # a start that failed before its first epoch leaves nothing
+            writer.discard_if_unused()
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
+           progress: bool | None, log: Callable[[str], None], final_report: bool,
+           devices: list | None) -> TrainResult:
+    """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     trainer = Trainer.build(cfg, devices=devices)
     if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
         log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
+    note = parallel.unused_devices_note(trainer.mesh, cfg.train.shards)
+    if note is not None and devices is None:
+        log(note)
     state = trainer.init_state()
-    writer = RunWriter(out, process_index=jax.process_index()) if out is not None else None
     if resume:
-        step = checkpoint.latest_step(out / "checkpoints")
-        state, _ = checkpoint.restore(out / "checkpoints", step, state)
-        writer.truncate_after(int(state.epoch))
+        state, _, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
+        writer.truncate_after(int(state.epoch))  # records run ahead of checkpoints
         log(f"resumed from epoch {int(state.epoch)}")
-    elif writer is not None:
-        writer.write_config(dump_yaml(cfg))
+    elif writer is not None and jax.process_index() == 0:
+        # what a policy of this run normalizes its inputs with
+        write_statistics(out, trainer.tables, trainer.market)
     history = read_metrics(out) if (resume and out is not None) else []
 
     epochs = cfg.train.epochs
@@ -148,8 +191,6 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     summary = {}
     if final_report:
         summary = _final_report(trainer, state, history, out, log)
-    if writer is not None:
-        writer.close()
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary)
 
 
@@ -170,56 +211,84 @@ def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], ou
                   log) -> dict:
     summary: dict[str, Any] = {"epochs": int(state.epoch),
                                "bars_per_year": trainer.market.bars_per_year}
-    curves = {}
+    evaluations = {}
     # Every process evaluates a local copy of the (replicated) agent on its own default device.
     agent = parallel.to_host(state.agent)
     for split in ("validation", "test"):
-        res = trainer.evaluate_split(agent, split)
-        summary[split] = {name: r["metrics"] for name, r in res.items()}
-        curves[split] = {name: r["curve"] for name, r in res.items()}
-        log(report.metrics_table(summary[split], title=f"{split} split (full walk)"))
+        evaluations[split] = trainer.evaluate_split(agent, split)
+        summary[split] = evaluations[split]["metrics"]
+        log(report.evaluation_table(summary[split], title=f"{split} split (full walk, "
+                                                           "equal-weight portfolio)"))
     if out is not None and jax.process_index() == 0:
-        report.write_report(out, summary, curves, history)
+        report.write_report(out, summary, evaluations, history)
     return summary
 
 
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
-    """Rebuilds the trainer of a run directory and restores its latest checkpoint."""
+    """Rebuilds the trainer of a run directory and restores its newest intact checkpoint (a
+    damaged one is skipped with a warning line; none intact: FoxhuntError)."""
     run = Path(run_dir)
-    if not (run / "config.yaml").exists():
+    if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (no config.yaml)")
     cfg = from_dict(read_yaml(run / "config.yaml"))
     if data:
         cfg = replace(cfg, data={"source": list(data)})
-    step = checkpoint.latest_step(run / "checkpoints")
-    if step is None:
+    if checkpoint.latest_step(run / "checkpoints") is None:
         raise ConfigError(f"{run}/checkpoints holds no checkpoint")
     # the devices of this machine that divide train.shards: a run reads back anywhere
     trainer = Trainer.build(cfg, devices=parallel.fitting_devices(cfg.train.shards))
-    state, _ = checkpoint.restore(run / "checkpoints", step, trainer.init_state())
+    state, _, _ = checkpoint.restore_latest(run / "checkpoints", trainer.init_state(), warn=_warn)
     return trainer, state
+
+
+def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
+                    run_data: list[str]) -> Path:
+    """Where :func:`evaluate` writes: ``report/evaluate_<split>.json`` on the run's own data,
+    ``report/evaluate_<split>_<names>-<digest>.json`` on other data (``names``: the sources'
+    file or builtin names; ``digest``: 8 hex digits of SHA-256 of the source list), so an
+    evaluation on other data never replaces the run's own."""
+    name = f"evaluate_{split}"
+    if data and list(data) != list(run_data):
+        stems = [Path(d.split(":", 1)[-1].split("?", 1)[0]).stem for d in data]
+        names = re.sub(r"[^A-Za-z0-9._-]+", "_", "+".join(stems))[:40].strip("._") or "data"
+        digest = hashlib.sha256(json.dumps(list(data)).encode()).hexdigest()[:8]
+        name += f"_{names}-{digest}"
+    return Path(run_dir) / "report" / f"{name}.json"
 
 
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
              log: Callable[[str], None] | None = None) -> dict:
-    """Greedy full-split evaluation of a trained run against buy-and-hold and random.
+    """Greedy full-split evaluation of a trained run against buy-and-hold, flat and the random
+    policies.
 
     ``data`` evaluates the trained agent on other market data (same features and config).
-    Writes ``report/evaluate_<split>.json`` and returns the metrics by policy.
+    Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data),
+    names it in a line, and returns its ``metrics``: the layout of
+    :func:`~foxhunt_jax.training.metrics.evaluation_results` (portfolio metrics by policy,
+    ``random`` percentiles, ``agent_percentile``, ``per_instrument``).
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
+    log = log or print
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
-    res = trainer.evaluate_split(parallel.to_host(state.agent), split)
-    metrics = {name: r["metrics"] for name, r in res.items()}
-    (log or print)(report.metrics_table(metrics, title=f"{split} split (full walk)"))
-    path = Path(run_dir) / "report" / f"evaluate_{split}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    metrics = trainer.evaluate_split(parallel.to_host(state.agent), split)["metrics"]
+    log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
+                                              "portfolio)"))
+    run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
+    path = evaluation_path(run_dir, split, data, run_data)
     payload = {"split": split, "data": data or list(trainer.cfg.data.source),
                "seconds": time.perf_counter() - t0, "metrics": metrics}
-    path.write_text(json.dumps(payload, indent=2))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(to_jsonable(payload), indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise FoxhuntError(f"cannot write {path} ({(e.strerror or str(e)).lower()})") from None
+    log(f"evaluation written to {path}")
     return metrics
 
 
-__all__ = ["train", "evaluate", "load_run", "TrainResult", "phase_line", "all_finite"]
+__all__ = ["train", "evaluate", "load_run", "evaluation_path", "TrainResult", "phase_line",
+           "all_finite"]

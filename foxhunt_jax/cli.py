@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from foxhunt_jax import __version__
+from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, FoxhuntError
 
 
@@ -144,8 +144,11 @@ def _args_train(p: argparse.ArgumentParser) -> None:
                    help="dotted override, e.g. --set train.epochs=5 (repeatable)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="market data replacing data.source (repeatable)")
-    p.add_argument("--out", metavar="DIR", default=None, help="run directory (default: runs/<config>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="run directory: new, empty, or a run of this program (default: "
+                        "runs/<config>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group(
         "several processes (hosts)",
@@ -190,8 +193,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.yaml"
         config = str(saved) if args.resume and saved.is_file() else "default"
     cfg = load_config(config, overrides)
-    if not args.resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise ConfigError(f"--out {out} already holds a run; use --resume or another --out")
+    # api.train checks, marks and locks --out before it loads data or compiles
     api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
     import jax
 
@@ -204,7 +206,8 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
     p.add_argument("--split", choices=("validation", "test"), default="test")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
-                   help="evaluate on other market data (repeatable)")
+                   help="evaluate on other market data (repeatable); written to "
+                        "report/evaluate_<split>_<names>-<digest>.json")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -213,6 +216,77 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     enable_compilation_cache()
     api.evaluate(args.run, split=args.split, data=args.data)
+    return 0
+
+
+def _args_act(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", metavar="DIR", required=True,
+                   help="a run directory written by train, or a folder written by export")
+    p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
+                   help="bars to decide on (repeatable; default: the run's own data)")
+    p.add_argument("--at", metavar="TIMESTAMP", default=None,
+                   help="decide at each instrument's last bar at or before this time "
+                        "(default: its last bar); later bars are not read")
+    p.add_argument("--agent", choices=("selected", "last"), default="selected",
+                   help="selected: the validation-selected agent (runs do not record one yet: "
+                        "the last agent is used and the output says so); last: the latest "
+                        "checkpoint")
+    g = p.add_argument_group("portfolio held into the decision bar's close (default flat)")
+    g.add_argument("--position", metavar="P", type=float, default=0.0,
+                   help="the exposure held, one of the run's env.exposures")
+    g.add_argument("--entry-price", metavar="PRICE", type=float, default=None,
+                   help="its entry price (default: the decision bar's close)")
+    g.add_argument("--units", metavar="U", type=float, default=None,
+                   help="units held (default: position * equity / entry price)")
+    g.add_argument("--take-profit-price", metavar="PRICE", type=float, default=None,
+                   help="its take-profit level")
+    g.add_argument("--stop-loss-price", metavar="PRICE", type=float, default=None,
+                   help="its stop-loss level")
+    g.add_argument("--bars-held", metavar="N", type=int, default=0,
+                   help="bars since it was opened")
+    g.add_argument("--equity", metavar="E", type=float, default=1.0,
+                   help="equity at the decision bar's close (the run started at 1)")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the decisions as JSON")
+
+
+def cmd_act(args: argparse.Namespace) -> int:
+    from foxhunt_jax.policy.act import act, table, write_json
+    from foxhunt_jax.policy.policy import Position
+
+    position = Position(exposure=args.position, entry_price=args.entry_price, units=args.units,
+                        take_profit=args.take_profit_price, stop_loss=args.stop_loss_price,
+                        bars_held=args.bars_held, equity=args.equity)
+    records, note = act(args.run, data=args.data, at=args.at, agent=args.agent,
+                        position=position)
+    held = ("flat" if position.exposure == 0 else f"exposure {position.exposure:+g}")
+    last = max(r["data_last_timestamp"] for r in records)
+    headers, rows = table(records)
+    _render_table(headers, rows, f"decisions of {args.run}: {note}",
+                  f"portfolio decided from: {held}, equity {position.equity:g}; data's last bar "
+                  f"{last}; Q in reward units ({'--json' if not args.json else args.json} "
+                  "has every branch)")
+    if args.json:
+        write_json(args.json, records)
+    return 0
+
+
+def _args_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
+    p.add_argument("--out", metavar="DIR2", required=True,
+                   help="the export folder to write (must not exist or be empty)")
+    p.add_argument("--agent", choices=("selected", "last"), default="selected",
+                   help="as for act")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from foxhunt_jax.policy import Policy
+    from foxhunt_jax.policy.export import export_policy
+
+    policy = Policy.load(args.run, agent=args.agent)
+    out = export_policy(policy, args.out)
+    print(f"exported the agent of {args.run} ({policy.agent_note}) to {out}; "
+          f"{out / 'load_policy.py'} loads it with jax and numpy only")
     return 0
 
 
@@ -235,6 +309,10 @@ COMMANDS: tuple[Command, ...] = (
     Command(("train",), "train the agent and write a run directory", _args_train, cmd_train),
     Command(("evaluate",), "evaluate a trained run on the validation or test split",
             _args_evaluate, cmd_evaluate),
+    Command(("act",), "the trained agent's decision at the latest bar (or --at) of each "
+            "instrument", _args_act, cmd_act),
+    Command(("export",), "write a self-contained policy (jax.export program, parameters, "
+            "statistics) that loads with jax and numpy only", _args_export, cmd_export),
     Command(("bench",), "time every phase, compile, collection, training and replay on this "
             "device; print tables and write JSON", _args_bench, cmd_bench),
 )
@@ -292,4 +370,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
-           "cmd_evaluate", "cmd_bench", "human_duration"]
+           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "human_duration"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,16 @@ from typing import Any
 
 import yaml
 
+from foxhunt_jax.data.features import DEFAULT_FEATURES, resolve_features
 from foxhunt_jax.errors import ConfigError
 
 # the configs shipped with the package: the repository's top-level configs/, which the package
 # holds as foxhunt_jax/configs (a link in a checkout, the files themselves in a wheel)
 CONFIG_DIR = Path(str(importlib.resources.files("foxhunt_jax") / "configs"))
+# Seeds the PRNGs take alike: jax.random.key gives the same key with and without x64 only for
+# 0 .. 2**32 - 1 (it wraps or refuses others), and NumPy's default_rng refuses negative seeds.
+SEED_RANGE = (0, 2**32 - 1)
+INT_LIMIT = 2**31 - 1  # every other integer key reaches the jitted programs as an int32
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,12 @@ class DataConfig:
     splits: tuple[float, float, float] = (0.70, 0.15, 0.15)  # train, validation, test by time
     sort: bool = False  # sort unsorted timestamps instead of rejecting the file
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # the feature columns, in order: built-in names, user ones (foxhunt_jax.data.features.register)
+    # or glob patterns (vol_*), resolved by validate into the names (docs/features.md)
+    features: tuple[str, ...] = DEFAULT_FEATURES
+
+
+FILLS = ("next_open", "close")  # env.fill values
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,10 @@ class EnvConfig:
     stop_loss: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 2: SL multiple of sigma; () = off
     time_barrier: int = 20  # H: bars a position may be held before it is closed
     cost_bps: float = 2.0  # commission + half-spread, basis points of traded notional
+    # where the decision made at bar t's close fills: "next_open" (the open of bar t+1, the
+    # earliest a real order can fill) or "close" (the close of bar t itself, optimistic)
+    fill: str = "next_open"
+    slippage_bps: float = 0.0  # every fill price moved against the trade by this many bps
     fixed_cost: float = 0.0  # per trade, in units of initial equity
     ruin_floor: float = 0.5  # terminate when equity < ruin_floor * initial equity
     reward_scale: float = 100.0  # reward = reward_scale * log(equity change)
@@ -68,12 +84,11 @@ class NetworkConfig:
     v_min: float = -10.0
     v_max: float = 10.0
     dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
-    # collection, validation and inference: "xla" (lax.scan over the Flax layers and the jnp
-    # env step), "pallas" (Pallas kernels: the whole trading rollout in one kernel,
-    # pallas_kernels/rollout.py, and the fused Q-forward; bfloat16 only: they win there and the
-    # float32 kernel loses on an H200, BENCHMARKS.md; interpreted, slowly, off CUDA GPUs) or
-    # "auto": pallas on a CUDA GPU with bfloat16, else xla (the faster one, as measured).
-    # Training always uses the Flax layers.
+    # collection, validation and inference (foxhunt_jax.backend.resolve): "xla" (lax.scan over
+    # the Flax layers and the jnp env step), "pallas" (Pallas kernels: the whole trading rollout
+    # in one kernel and the fused Q-forward; bfloat16 only, where they are faster than XLA;
+    # interpreted, slowly, off CUDA GPUs) or "auto": pallas on a CUDA GPU with bfloat16, else
+    # xla. Training always uses the Flax layers.
     backend: str = "auto"
 
 
@@ -125,9 +140,18 @@ class TrainConfig:
     shards: int = 1
     # queued epochs (Trainer.run_epoch(queue_next=True)) run Validation and the next Experience
     # as one program where network.backend=pallas runs both rollouts as kernels on one device:
-    # the GPU runs the two kernels at once. Same numbers. On an H200 the seed epoch took 8.8
-    # instead of 10.3 ms; the cost is a fourth program to compile (docs/training.md).
+    # the GPU runs the two kernels at once. Same numbers; the cost is a fourth program to
+    # compile (the measured gain is in docs/training.md).
     pair_rollouts: bool = True
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The full-split evaluation of the final report and ``evaluate``."""
+
+    # random policies (the agent's exploration draw, the same costs) walked beside the agent in
+    # one program; the reports give their 5th, 50th and 95th percentiles of every metric
+    random_policies: int = 200
 
 
 @dataclass(frozen=True)
@@ -138,6 +162,7 @@ class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +205,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -239,6 +264,8 @@ def parse_override(text: str) -> dict:
 def read_yaml(path: str | Path) -> dict:
     """Reads a YAML mapping with the safe loader (no object construction)."""
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would block, a device never end
+        raise ConfigError(f"config file {p} is not a regular file")
     try:
         text = p.read_text()
     except OSError as e:
@@ -292,8 +319,30 @@ def _check(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' {rule}, got {value!r}")
 
 
+def _values_of(node: Any, kind: type, key: str = ""):
+    """(dotted key, value) of every field of type ``kind`` under the dataclass ``node``, the
+    items of tuples included."""
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, tp, name = getattr(node, f.name), hints[f.name], f"{key}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _values_of(value, kind, name + ".")
+        elif tp is kind:
+            yield name, value
+        elif typing.get_origin(tp) is tuple and kind in typing.get_args(tp):
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if type(v) is kind)
+
+
 def validate(cfg: Config) -> Config:
-    """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
+    """Every range check lives here. Returns ``cfg`` with ``data.features`` resolved to names
+    (patterns expanded) or raises ConfigError."""
+    for key, value in _values_of(cfg, float):
+        _check(math.isfinite(value), key, "must be a finite number", value)
+    seeds = ("train.seed", "data.synthetic.seed")
+    for key, value in _values_of(cfg, int):
+        low, high = SEED_RANGE if key in seeds else (-INT_LIMIT, INT_LIMIT)
+        what = "the PRNG's seed range" if key in seeds else "a 32-bit integer, as programs hold it"
+        _check(low <= value <= high, key, f"must be an integer in {low}..{high} ({what})", value)
     d, e, n, r, c, t = cfg.data, cfg.env, cfg.network, cfg.replay, cfg.curiosity, cfg.train
     _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
     _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",
@@ -304,6 +353,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= s.signal_strength < 1, "data.synthetic.signal_strength", "must be in [0, 1)",
            s.signal_strength)
     _check(s.volatility > 0, "data.synthetic.volatility", "must be > 0", s.volatility)
+    features = resolve_features(d.features, "config key 'data.features'")
 
     _check(e.episode_length >= 1, "env.episode_length", "must be >= 1", e.episode_length)
     _check(len(e.exposures) >= 2, "env.exposures", "needs at least two values", e.exposures)
@@ -314,6 +364,9 @@ def validate(cfg: Config) -> Config:
         _check(all(v > 0 for v in vals), f"env.{name}", "values must be > 0", vals)
     _check(e.time_barrier >= 1, "env.time_barrier", "must be >= 1", e.time_barrier)
     _check(e.cost_bps >= 0, "env.cost_bps", "must be >= 0", e.cost_bps)
+    _check(e.fill in FILLS, "env.fill", f"must be {' or '.join(FILLS)}", e.fill)
+    _check(0 <= e.slippage_bps < 1e4, "env.slippage_bps", "must be in [0, 10000)",
+           e.slippage_bps)
     _check(e.fixed_cost >= 0, "env.fixed_cost", "must be >= 0", e.fixed_cost)
     _check(0 < e.ruin_floor < 1, "env.ruin_floor", "must be in (0, 1)", e.ruin_floor)
     _check(e.reward_scale > 0, "env.reward_scale", "must be > 0", e.reward_scale)
@@ -367,9 +420,13 @@ def validate(cfg: Config) -> Config:
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)
+    _check(cfg.eval.random_policies >= 1, "eval.random_policies", "must be >= 1",
+           cfg.eval.random_policies)
     for key, value in (("train.num_episodes", t.num_episodes), ("train.batch_size", t.batch_size),
                        ("replay.capacity", r.capacity)):
         _check(value % t.shards == 0, key, f"must be a multiple of train.shards ({t.shards})", value)
+    if features != d.features:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, features=features))
     return cfg
 
 
@@ -379,6 +436,6 @@ def dump_yaml(cfg: Config) -> str:
 
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
-    "CuriosityConfig", "TrainConfig", "load_config", "from_dict", "replace", "validate",
-    "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+    "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace",
+    "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
 ]

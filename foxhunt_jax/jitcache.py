@@ -1,29 +1,36 @@
 """How the library compiles: XLA options (:func:`jit`) and compilation caches.
 
 The trainer's programs (its phases, its init programs, the evaluation walks) and the ones the
-benchmark times are jitted by :func:`jit`, which adds :func:`compiler_options` (on a GPU:
-command buffers scheduled as a DAG).
+benchmark times are jitted by :func:`jit`, which adds :func:`compiler_options`.
 
 The caches, for the command line and the tests, have two levels, both under one folder
 (``FOXHUNT_JAX_CACHE=DIR``, default ``~/.cache/foxhunt-jax/xla``; ``FOXHUNT_JAX_CACHE=off``
 turns both off, ``FOXHUNT_JAX_EXECUTABLE_CACHE=off`` only the second):
 
 - JAX's persistent compilation cache (``DIR``): XLA's output keyed by the lowered program, so a
-  second run skips XLA's optimization passes but still traces and lowers every program (about
-  2.5 s for the trainer's three phases on an H200 host).
-- An executable cache (``DIR/executables``, :func:`compile_cached`): the serialized compiled
-  executable of each trainer phase, keyed by what determines the program: the config, the
-  argument shapes, dtypes and placements, the JAX version, the devices and a digest of this
-  package's source files (and the versions of JAX, Flax and optax, the platform's build, JAX's
-  lowering flags, ``XLA_FLAGS`` and the compile options). A hit skips tracing, lowering and
-  compiling altogether.
-  The folder keeps at most ``MAX_CACHE_BYTES`` (1 GiB; ``FOXHUNT_JAX_EXECUTABLE_CACHE_MB``),
-  dropping the least recently used entries, since stale keys (old code, old versions) are never
-  hit again.
+  second run skips XLA's optimization passes but still traces and lowers every program.
+- An executable cache (``DIR/executables``, :func:`compile_cached`): each trainer program's
+  compiled executable with a JSON description of its call (:mod:`foxhunt_jax.executable_codec`:
+  no pickle, a digest checked before anything is parsed), keyed by what determines the program:
+  the config, the argument shapes, dtypes and placements, the versions of JAX, jaxlib, Flax and
+  optax, the platform's build, JAX's lowering flags, ``XLA_FLAGS``, the compile options, the
+  devices and a digest of this package's source files. A hit skips tracing, lowering and
+  compiling altogether. The folder keeps at most ``MAX_CACHE_BYTES``
+  (``FOXHUNT_JAX_EXECUTABLE_CACHE_MB``), dropping the least recently used entries, since stale
+  keys (old code, old versions) are never hit again.
+
+A loaded executable runs machine code, so both caches trust only what the user alone can write:
+a cache folder or entry that is not owned by the user, or is writable by group or others, is
+ignored with one ``warning:`` line on stderr and the program compiles afresh (nothing is written
+there either). Folders the library creates are private (mode 0700).
 
 Library users who import foxhunt_jax keep their own JAX settings: only the CLI, the benchmark and
 the test suite call :func:`enable_compilation_cache`; without it :func:`compile_cached` simply
 compiles.
+
+JAX (and :mod:`foxhunt_jax.executable_codec`, which imports its internals) is imported inside the
+functions that use it, so that importing this module for its constants (the CLI, the benchmark,
+which times JAX's start-up) does not start JAX.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import functools
 import hashlib
 import json
 import os
-import pickle
+import stat
+import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,56 +54,103 @@ _ROOT = Path(__file__).resolve().parent.parent
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
               "jax_default_prng_impl", "jax_numpy_rank_promotion")
 _executables: Path | None = None  # set by enable_compilation_cache
-# XLA's command buffers (CUDA graphs) run their kernels either one after another or as a DAG of
-# the program's data dependencies; the DAG lets independent kernels of a launch-bound program
-# (a learner step's Q and RND updates, its replay bookkeeping) overlap: 1.6-1.7x faster
-# learner steps on an H200 (BENCHMARKS.md). XLA_FLAGS naming the mode takes precedence.
+# How XLA schedules the kernels of a command buffer (CUDA graph): as a DAG of the program's data
+# dependencies, so independent kernels of a launch-bound program overlap (docs/performance.md).
+# XLA_FLAGS naming the mode takes precedence.
 SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # Which instructions go into command buffers: XLA's default kinds plus while loops and
-# conditionals, so that the learner's K-step loop (and each rollout's scan) runs as one CUDA
-# graph with conditional nodes instead of one graph launch per iteration: the seed epoch's
-# Training took 3.98 against 5.04 ms on an H200 (BENCHMARKS.md, session 11). XLA_FLAGS naming
-# this option takes precedence.
+# conditionals, so that a loop (the learner's K steps, a rollout's scan) runs as one CUDA graph
+# with conditional nodes instead of one graph launch per iteration. XLA_FLAGS naming this option
+# takes precedence.
 COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
 COMMAND_BUFFER_KINDS = ",".join(["FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
                                  "DYNAMIC_SLICE_FUSION", "WHILE", "CONDITIONAL"])
-# Programmatic dependent launch (Hopper and later; XLA ignores it before): a kernel starts
-# while the one it waits on finishes, and a Triton GEMM lets its successor start once its
-# products are done, before its epilogue. A learner step is a chain of ~25 small kernels:
-# 74.9 against 79.5-80.4 us a step on an H200 (BENCHMARKS.md, session 14). An XLA without an
-# option (jax 0.10's has no ``xla_gpu_enable_pdl_launch``) compiles without it; XLA_FLAGS
-# naming one takes precedence.
+# Programmatic dependent launch (Hopper and later; XLA ignores it before): a kernel starts while
+# the one it waits on finishes, which shortens a chain of small kernels. An XLA without one of
+# the options compiles without it; XLA_FLAGS naming one takes precedence.
 PDL_OPTIONS = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}
-# XLA's dot merger joins GEMMs that share an operand into one and slices the result apart. With
-# it off in every program, the seed epoch's bf16 learner step took 70-73 instead of 77-79 us on
-# an H200 and the epoch 6.30-6.37 instead of 6.59-6.66 ms, while Validation + Experience did
-# not gain (measured through XLA_FLAGS; BENCHMARKS.md, session 16). So only the training
-# program gets it (the XLA rollouts' per-step forwards were not timed without the merged head
-# GEMM). Optional as PDL's options are; XLA_FLAGS naming it takes precedence.
+# XLA's dot merger joins GEMMs that share an operand into one and slices the result apart; the
+# training program runs faster without it (docs/performance.md), so only it gets this option.
+# Optional as PDL's options are; XLA_FLAGS naming it takes precedence.
 DOT_MERGER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-# JAX's XLA-side caches kept with the persistent cache: the autotuning results only. XLA's
-# kernel cache (JAX's "all") made a second process's programs fail with an illegal instruction
-# on an H200 (jax 0.11.2, BENCHMARKS.md).
+# JAX's XLA-side caches kept with the persistent cache: the autotuning results only, since
+# XLA's kernel cache (JAX's "all") broke a second process's programs on a GPU
+# (docs/performance.md).
 XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
 # Most bytes the executable cache keeps; the least recently used entries go first
 # (FOXHUNT_JAX_EXECUTABLE_CACHE_MB overrides).
 MAX_CACHE_BYTES = 1 << 30
+ENTRY_SUFFIX = ".executable"
+# entries of the earlier pickle format: never read, evicted first (they are the oldest)
+_LEGACY_SUFFIX = ".pkl"
+_warned_folders: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Why a file or folder with status ``st`` cannot be trusted to hold code, or None: it must
+    be owned by this user and not writable by group or others."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"owned by user id {st.st_uid}, not by you"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "writable by group or others"
+    return None
+
+
+def _warn_once(folder: Path, message: str) -> None:
+    with _warn_lock:
+        if str(folder) not in _warned_folders:
+            _warned_folders.add(str(folder))
+            warn(message)
+
+
+def _folder_trusted(folder: Path, entries: bool = False) -> bool:
+    """Whether ``folder`` (which exists) may hold cache entries; warns once per folder if not.
+    ``entries``: also every file directly in it and in its subfolders, where others can reach
+    them (a folder that group or others may enter) and the reader does not check each one
+    (JAX's persistent cache)."""
+    reason = untrusted_reason(folder.stat())
+    if reason is None and entries and folder.stat().st_mode & (stat.S_IXGRP | stat.S_IXOTH):
+        for f in [*folder.iterdir(), *(g for d in folder.iterdir() if d.is_dir()
+                                       for g in d.iterdir())]:
+            why = untrusted_reason(f.lstat())
+            if why is not None:
+                reason = f"holding {f.name}, which is {why}"
+                break
+    if reason is None:
+        return True
+    _warn_once(folder, f"compilation cache {folder} is {reason}; not using it, compiling "
+                       f"afresh (chmod go-w it, or set FOXHUNT_JAX_CACHE to a folder of your own)")
+    return False
 
 
 def enable_compilation_cache(path: str | None = None, executables: bool = True) -> str | None:
     """Turns on JAX's persistent cache and (``executables``) the executable cache in ``path``
     (default: ``$FOXHUNT_JAX_CACHE`` or ``~/.cache/foxhunt-jax/xla``); returns the folder, or
-    None when the cache is off.
+    None when the cache is off or the folder is not trusted (:func:`untrusted_reason`; one
+    warning, and JAX's settings stay as they were).
 
     The executable cache cannot see Python-level changes that leave the source files alone
     (a monkeypatched function): the test suite, which does that, keeps it off in-process.
     """
     global _executables
     where = path or os.environ.get("FOXHUNT_JAX_CACHE") or str(Path.home() / ".cache/foxhunt-jax/xla")
+    _executables = None
     if where.lower() == "off":
-        _executables = None
         return None
-    Path(where).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(where).mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        _warn_once(Path(where), f"cannot create the compilation cache {where} ({e.strerror}); "
+                                f"compiling without caches")
+        return None
+    if not _folder_trusted(Path(where), entries=True):
+        return None
     _set_jax_cache({"jax_compilation_cache_dir": where,
                     "jax_persistent_cache_min_compile_time_secs": 0.5,
                     "jax_persistent_cache_min_entry_size_bytes": 0,
@@ -236,6 +292,11 @@ def cache_key(name: str, config: Any, args) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def entry_path(name: str, key: str) -> Path | None:
+    """The file the executable cache keeps program ``name`` of ``key`` in (None: cache off)."""
+    return None if _executables is None else _executables / f"{name}-{key[:40]}{ENTRY_SUFFIX}"
+
+
 def _max_bytes() -> int:
     mb = os.environ.get("FOXHUNT_JAX_EXECUTABLE_CACHE_MB")
     return int(float(mb) * (1 << 20)) if mb else MAX_CACHE_BYTES
@@ -244,7 +305,8 @@ def _max_bytes() -> int:
 def evict(folder: Path, max_bytes: int) -> list[Path]:
     """Deletes the least recently used entries (oldest modification time; a load touches its
     entry) until the folder's entries take at most ``max_bytes``; returns what was deleted."""
-    entries = sorted(folder.glob("*.pkl"), key=lambda f: f.stat().st_mtime)
+    entries = sorted([*folder.glob(f"*{ENTRY_SUFFIX}"), *folder.glob(f"*{_LEGACY_SUFFIX}")],
+                     key=lambda f: f.stat().st_mtime)
     total = sum(f.stat().st_size for f in entries)
     gone = []
     for f in entries:
@@ -261,8 +323,6 @@ _HIT = "/jax/compilation_cache/cache_hits"
 
 def _compile_watching_xla_cache(jitted, args):
     """``jitted.lower(*args).compile()`` and whether JAX's persistent cache served it."""
-    import threading
-
     from jax import monitoring
 
     hits, me = [], threading.get_ident()
@@ -280,6 +340,66 @@ def _compile_watching_xla_cache(jitted, args):
     return compiled, bool(hits)
 
 
+def _read_entry(path: Path) -> bytes | None:
+    """The bytes of entry ``path`` if it is a regular file this user alone can write; None if
+    it does not exist. Raises :class:`PermissionError` naming why an entry is not trusted."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a symbolic link (O_NOFOLLOW) or unreadable
+        raise PermissionError(f"cannot be opened as a plain file ({e.strerror})") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else untrusted_reason(st)
+        if reason:
+            raise PermissionError(reason)
+        return f.read()
+
+
+def _load(path: Path, args, key: str):
+    """The program stored at ``path`` for ``args``, or None (absent, untrusted or unreadable:
+    warned, except absent). ``(compiled, trusted)``: an untrusted entry is not replaced."""
+    try:
+        blob = _read_entry(path)
+    except PermissionError as e:
+        warn(f"executable cache: ignoring {path} ({e}); compiling afresh")
+        return None, False
+    if blob is None:
+        return None, True
+    from foxhunt_jax import executable_codec
+
+    try:
+        compiled = executable_codec.decode(blob, args, key)
+    except Exception as e:  # noqa: BLE001 - any unreadable entry is compiled again
+        warn(f"executable cache: could not load {path.name} ({type(e).__name__}: "
+             f"{str(e)[:200]}); compiling again")
+        return None, True
+    os.utime(path)  # recently used: evicted last
+    return compiled, True
+
+
+def _store(path: Path, compiled, args, key: str, name: str) -> None:
+    """Writes the entry of ``compiled`` atomically (a private temporary file, then rename)."""
+    from foxhunt_jax import executable_codec
+
+    tmp = None
+    try:
+        blob = executable_codec.encode(compiled, args, key)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # mode 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+        tmp = None
+        evict(path.parent, _max_bytes())
+    except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs time
+        warn(f"executable cache: not saving {name} ({type(e).__name__}: {str(e)[:200]})")
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     """``jitted.lower(*args).compile()``, through the executable cache when it is on.
 
@@ -288,52 +408,29 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     makes unnecessary).
 
     Returns ``(compiled, loaded)``: ``loaded`` is True when the executable came from the cache.
-    A cache entry that cannot be read (another JAX build, a damaged file) is compiled again and
-    overwritten; entries are written atomically (temporary file, then rename). A program that
-    JAX's persistent cache served is not stored (see :func:`_compile_watching_xla_cache`). Off a
-    single process (multi-host runs) the cache is not used: every process must compile the same
-    collective program.
+    An entry that fails its digest or cannot be built is compiled again and replaced; an entry
+    or cache folder that is not the user's alone is ignored (one warning) and left as it is. A
+    program that JAX's persistent cache served is not stored (see
+    :func:`_compile_watching_xla_cache`), nor one whose call the entry format cannot describe.
+    Off a single process (multi-host runs) the cache is not used: every process must compile
+    the same collective program.
     """
     import jax
-    from jax.experimental import serialize_executable
 
     make = jitted if not hasattr(jitted, "lower") else (lambda: jitted)
-    if _executables is None or jax.process_count() > 1:
+    folder = _executables
+    if folder is None or jax.process_count() > 1 or (
+            folder.exists() and not _folder_trusted(folder)):
         return make().lower(*args).compile(), False
-    path = _executables / f"{name}-{cache_key(name, config, args)[:40]}.pkl"
-    if path.exists():
-        try:
-            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
-            # the program's own device order (a mesh need not list devices by id)
-            by_id = {d.id: d for d in jax.devices()}
-            devices = [by_id[i] for i in device_ids]
-            compiled = serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=devices)
-            os.utime(path)  # recently used: evicted last
-            return compiled, True
-        except Exception as e:  # noqa: BLE001 - any unreadable entry is recompiled
-            warnings.warn(f"executable cache: could not load {path.name} ({type(e).__name__}: "
-                          f"{e}); compiling again")
+    key = cache_key(name, config, args)
+    path = entry_path(name, key)
+    compiled, writable = _load(path, args, key)
+    if compiled is not None:
+        return compiled, True
     compiled, from_xla_cache = _compile_watching_xla_cache(make(), args)
-    if from_xla_cache:
-        # An executable JAX loaded from its persistent cache does not serialize whole on every
-        # platform (on the CPU the copy lacks its fused functions and fails when run), so only
-        # programs XLA compiled here are kept.
-        return compiled, False
-    tmp = None
-    try:
-        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-        blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-        tmp = None
-        evict(path.parent, _max_bytes())
-    except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs time
-        warnings.warn(f"executable cache: not saving {name} ({type(e).__name__}: {e})")
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    # An executable JAX loaded from its persistent cache does not serialize whole on every
+    # platform (on the CPU the copy lacks its fused functions and fails when run), so only
+    # programs XLA compiled here are kept.
+    if writable and not from_xla_cache:
+        _store(path, compiled, args, key, name)
     return compiled, False

@@ -1,4 +1,4 @@
-"""Data parallelism over devices and hosts (DESIGN 3.13): one code path for 1 to n devices.
+"""Data parallelism over devices and hosts: one code path for 1 to n devices.
 
 The training state carries a fixed number of *shards* ``S`` (``train.shards``): the rollout holds
 ``[S, N/S, ...]`` episodes, the replay buffer ``[S, C/S, ...]`` slots (each shard its own ring
@@ -44,12 +44,17 @@ ENV_DISTRIBUTED = "FOXHUNT_DISTRIBUTED"
 # --- mesh and shardings --------------------------------------------------------------------------
 
 def make_mesh(shards: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``("data",)`` mesh over ``devices`` (default: every device of every process).
+    """A 1-D ``("data",)`` mesh over ``devices``.
 
-    Raises ConfigError when ``shards`` is not a multiple of the device count: the shard axis is
-    split evenly, so each device holds ``shards / n`` whole shards.
+    The default is :func:`fitting_devices`: in one process the most local devices whose count
+    divides ``shards`` (so ``train.shards=1`` runs on one device of a host that has several, and
+    the result stays defined by ``shards``, not by the host); in a multi-process run every device
+    of every process. Raises ConfigError when ``shards`` is not a multiple of the device count:
+    the shard axis is split evenly, so each device holds ``shards / n`` whole shards.
     """
-    devs = list(jax.devices() if devices is None else devices)
+    if shards < 1:
+        raise ConfigError(f"config key 'train.shards' must be at least 1, got {shards}")
+    devs = list(fitting_devices(shards) if devices is None else devices)
     n = len(devs)
     if n < 1:
         raise ConfigError("no devices to build the data mesh from")
@@ -116,7 +121,7 @@ def local_view(tree: Any, device: jax.Device) -> Any:
 
     def get(x):
         # an array that lives on ``device`` alone (a one-device mesh) is its own copy; this check
-        # is cheap, while walking addressable_shards costs ~10 us of Python per leaf
+        # is cheap, while walking addressable_shards costs Python work per leaf
         if x.sharding.device_set == {device}:
             return x
         for shard in x.addressable_shards:
@@ -238,6 +243,19 @@ def initialize(spec: DistributedSpec | None) -> bool:
     return True
 
 
+def unused_devices_note(mesh: Mesh, shards: int) -> str | None:
+    """One line when this process sees more devices than ``mesh`` uses, saying how to use them
+    all; None when it uses every one."""
+    local = jax.local_devices()
+    used = [d for d in mesh.devices.ravel() if d.process_index == jax.process_index()]
+    if len(used) >= len(local):
+        return None
+    names = ", ".join(f"{d.platform}:{d.id}" for d in used)
+    return (f"using {len(used)} of this host's {len(local)} devices ({names}) for "
+            f"train.shards={shards}; to use all of them set train.shards to a multiple of "
+            f"{len(local)} (results are defined by train.shards, not by the device count)")
+
+
 def describe(mesh: Mesh) -> str:
     """One line: processes, devices and their platform."""
     devs = mesh.devices.ravel()
@@ -245,6 +263,6 @@ def describe(mesh: Mesh) -> str:
             f"mesh {dict(mesh.shape)}")
 
 
-__all__ = ["DATA", "make_mesh", "fitting_devices", "sharded", "replicated", "shard_keys",
-           "local_device", "local_view", "put_replicated", "to_host", "DistributedSpec",
-           "distributed_spec", "initialize", "describe"]
+__all__ = ["DATA", "make_mesh", "fitting_devices", "unused_devices_note", "sharded", "replicated",
+           "shard_keys", "local_device", "local_view", "put_replicated", "to_host",
+           "DistributedSpec", "distributed_spec", "initialize", "describe"]

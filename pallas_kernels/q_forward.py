@@ -12,14 +12,13 @@ come in from device memory and only the actions (and optionally the expected Q) 
 version writes and re-reads every intermediate activation between its GEMM and fusion kernels.
 
 :func:`fused_logits` is the same kernel stopping at the dueling logits (``network.apply``'s
-output): at 2^20 rows 2.81 ms against 4.38 ms for XLA (BENCHMARKS.md, session 5). Given an
-action per branch and row it writes only those actions' logits, which is what the initial
-priorities and the validation loss read (``network.taken_logits``): at 102,400 rows 0.39 ms
-against 0.59 ms for XLA, and the loss after it reads 0.4 instead of 3 KB a transition
-(BENCHMARKS.md, session 12). :func:`fused_bootstrap_loss` goes on from those logits to the C51
-loss (:func:`c51_rows`: softmax, projection, cross-entropy with given online logits) and writes
-one float a row: at 102,400 rows 0.43 ms against 0.80 ms for XLA's forward and loss
-(BENCHMARKS.md, session 16).
+output). Given an action per branch and row it writes only those actions' logits, which is
+what the initial priorities and the validation loss read (``taken_logits``).
+:func:`fused_act` is the collection forward: greedy actions and the logits of the action taken
+under given explore draws. :func:`fused_bootstrap_loss` goes on from the bootstrap actions'
+logits to the C51 loss (:func:`c51_rows`: softmax, projection, cross-entropy with given online
+logits) and writes one float a row, where XLA writes the logits and runs the loss as kernels of
+their own.
 
 The weights stream from device memory (L2) through each program once per block of rows. The
 kernel reads them through :class:`_Blocks`, which can issue each block's load a few blocks
@@ -42,13 +41,13 @@ action and stays two-dimensional. Which one is faster is measured (``foxhunt-jax
 Precision: ``dtype="bfloat16"`` casts observations and weights to bfloat16 and accumulates in
 float32, as the Flax layers do; ``dtype="float32"`` multiplies in true float32 (Triton's IEEE
 dot, matching the Flax layers' ``Precision.HIGHEST``). Bias adds, dueling, softmax and the
-expected value are float32 in both. On an H200 the bfloat16 kernel beats XLA (2.3x for the
-forward at N = 2^20) and the float32 one loses to it (no tensor cores; BENCHMARKS.md), so the
-config offers ``network.backend=pallas`` with bfloat16 only; the float32 kernel is kept for
-the equality tests and the benchmark.
+expected value are float32 in both. The config offers ``network.backend=pallas`` with bfloat16
+only, where the kernel is faster than XLA; the float32 kernel, slower than XLA's GEMMs, is kept
+for the equality tests and the benchmark.
 
-On a platform other than a CUDA GPU the kernel runs in Pallas' interpret mode (the tests use it
-on the CPU; it is slow and meant for checking, not for training).
+Launch shapes come from :mod:`pallas_kernels.tuning`; where it says the device does not compile
+Triton the kernel runs in Pallas' interpret mode (the tests use it on the CPU; it is slow and
+meant for checking, not for training).
 
 Shapes: ``N`` rows, ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``K``
 atoms; padded: ``Dp``, ``Kp``, ``n_pad``; ``BM`` rows per program.
@@ -66,19 +65,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from foxhunt_jax.agent.network import apply_draws
+from pallas_kernels.tuning import MAX_CHUNK, KernelConfig, block_rows_for, for_device, next_pow2
 
 _ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
-# Widest power-of-two block of one GEMM operand, per dtype: a [BM, 256] x [256, 256] bf16 tile
-# pair takes 192 KB of the 228 KB of shared memory of an H100/H200 multiprocessor at BM = 128;
-# float32 operands are twice as large, so they are cut at 128.
-_MAX_CHUNK = {"bfloat16": 256, "float32": 128}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LAYOUTS = ("grouped", "per_action")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+def apply_draws(draws: jax.Array, greedy: jax.Array) -> jax.Array:
+    """Epsilon-greedy actions ``[..., B]`` from explore draws ``[..., B]`` int32 (-1 where a
+    branch keeps its greedy action, else the random action it takes) and greedy actions
+    ``[..., B]``. Pure jnp, so the kernels and the agent's collection forward share it."""
+    return jnp.where(draws >= 0, draws, greedy)
 
 
 def chunks(width: int, max_chunk: int = 256) -> tuple[int, ...]:
@@ -115,10 +113,10 @@ class Plan:
 
     @property
     def atoms_pad(self) -> int:
-        return max(_ALIGN, _next_pow2(self.atoms))
+        return max(_ALIGN, next_pow2(self.atoms))
 
     def actions_pad(self, d: int) -> int:
-        return _next_pow2(self.branch_sizes[d])
+        return next_pow2(self.branch_sizes[d])
 
     @property
     def q_offsets(self) -> tuple[int, ...]:
@@ -134,9 +132,10 @@ class Plan:
 
 def make_plan(network, obs_dim: int, max_chunk: int | None = None) -> Plan:
     """The :class:`Plan` of a ``QNetwork`` (its static fields) for observations of ``obs_dim``;
-    GEMM operand blocks at most ``max_chunk`` wide (default: ``_MAX_CHUNK`` of the dtype)."""
+    GEMM operand blocks at most ``max_chunk`` wide (default: ``tuning.MAX_CHUNK`` of the
+    dtype)."""
     if max_chunk is None:
-        max_chunk = _MAX_CHUNK[network.dtype]
+        max_chunk = MAX_CHUNK[network.dtype]
     if max_chunk < _ALIGN or max_chunk & (max_chunk - 1):
         raise ValueError(f"make_plan: max_chunk must be a power of two >= {_ALIGN}, "
                          f"got {max_chunk}")
@@ -209,7 +208,7 @@ class _Blocks:
     out, so their memory latency overlaps the products in between. Triton issues a load where
     the program has it, so without this each product first waits for its block. That pays in
     the Q-forward at large N and not in the rollout kernel, whose timestep is bound by moving
-    the weights rather than by waiting for them (BENCHMARKS.md, session 6). The order is
+    the weights rather than by waiting for them. The order is
     recorded by a first, abstract pass of the same forward (``ops=None``: blocks are zeros,
     nothing is read), so it has one definition.
     """
@@ -405,9 +404,8 @@ class TakenLogits:
     """A :func:`forward_rows` ``on_action`` callback that hands on each branch's logits of the
     action taken: the explore draw where ``draw(d) [BM]`` is >= 0, else the greedy action
     (``draw`` None: always greedy). ``store(d, logits [BM, Kp])`` receives them, padded atoms
-    at -inf. It picks from the logits the greedy softmax already holds: keeping a copy of the
-    unmasked ones alive through the softmax made the rollout kernel 6 % slower on an H200
-    (BENCHMARKS.md, session 15)."""
+    at -inf. It picks from the logits the greedy softmax already holds rather than keeping a
+    copy of the unmasked ones alive through the softmax, which costs registers."""
 
     def __init__(self, store, draw=None):
         self.store, self.draw = store, draw
@@ -451,7 +449,7 @@ def c51_rows(taken, target, returns, discounts, z, atoms: int):
     return -jnp.sum(p * interp, axis=1)
 
 
-def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: bool,
+def _kernel(plan: Plan, cd, config: KernelConfig, with_q: bool, with_logits: bool,
             greedy: bool, select: str | None, x_ref, *refs):
     """Inputs: the observation block, the support ``[Kp]`` (``greedy`` or ``select="loss"``),
     the actions ``[BM, B]`` (``select="given"`` or ``"loss"``) or the explore draws ``[BM, B]``
@@ -530,57 +528,13 @@ def _kernel(plan: Plan, cd, config: "KernelConfig", with_q: bool, with_logits: b
 
 # --- the public function ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
-    ``min_rows`` at small N), warps per program (``block_rows / 8`` clipped to
-    ``[min_warps, num_warps]``), software-pipelining stages, layout, the widest GEMM operand
-    block (``max_chunk``; None: 256 for bfloat16, 128 for float32) and how many parameter
-    blocks each program reads ahead of use (``lookahead``, :class:`_Blocks`)."""
-
-    block_rows: int = 128
-    num_warps: int = 8
-    num_stages: int = 1
-    layout: str = "grouped"
-    min_rows: int = 16
-    min_warps: int = 4
-    max_chunk: int | None = None
-    lookahead: int = 0
-
-
-# Launch shapes used when none is given, per GEMM dtype. bf16: 128 rows and 8 warps ran the
-# forward at N = 2^20 in 2.2 ms on an H200 where 4 warps took 7.7 ms, and 8 warps beat 4 at the
-# 16-row blocks of small N too (the rollout kernel at N = 64: 2.67 against 2.96 ms; 2 warps
-# spill, 42.5 ms). Weight blocks of 128 columns read two ahead: 2.01 ms against 2.27-2.44 ms
-# for whole 256-wide blocks read as used, in two runs (BENCHMARKS.md, session 6). float32
-# operands are twice the bytes, so half the rows.
-DEFAULT_CONFIGS = {"float32": KernelConfig(block_rows=64, num_warps=8),
-                   "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8,
-                                            max_chunk=128, lookahead=2)}
-
-
-def default_config(dtype: str) -> KernelConfig:
-    return DEFAULT_CONFIGS[dtype]
-
-
-def on_cuda() -> bool:
-    """Whether JAX's default backend is a CUDA GPU (where the kernels compile with Triton)."""
-    return jax.default_backend() in ("gpu", "cuda")
-
-
-def block_rows_for(n: int, cfg: KernelConfig) -> int:
-    """Rows per program: ``cfg.block_rows``, smaller when N is small so that the grid still has
-    about one program per multiprocessor (132 on an H100/H200), never under ``cfg.min_rows``."""
-    want = _next_pow2(max(1, -(-n // 132)))
-    return int(min(cfg.block_rows, max(cfg.min_rows, _ALIGN, want)))
-
-
 def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, in_specs,
            out_specs, out_shape, interpret: bool | None):
-    """``pl.pallas_call`` over a 1-D grid: Triton-compiled on a CUDA GPU with ``config``'s warps
-    and stages, interpreted elsewhere (``interpret=None`` decides by the platform)."""
+    """``pl.pallas_call`` over a 1-D grid: Triton-compiled with ``config``'s warps and stages,
+    or interpreted (``interpret=None``: as :func:`pallas_kernels.tuning.for_device` says for the
+    default device)."""
     if interpret is None:
-        interpret = not on_cuda()
+        interpret = not for_device().compiled
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
@@ -622,7 +576,7 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
             raise ValueError("q_forward kernel: the loss needs the bootstrap actions alone")
         select = "loss"
     if config is None:
-        config = default_config(network.dtype)
+        config = for_device().q_forward_config(network.dtype)
     if config.layout not in LAYOUTS:
         raise ValueError(f"q_forward kernel: layout must be one of {LAYOUTS}, got "
                          f"{config.layout!r}")
@@ -702,8 +656,8 @@ def fused_q_forward(params: Any, obs: jax.Array, network, support: jax.Array, *,
       network: the ``QNetwork`` (its static fields define the layout and the GEMM dtype).
       support: ``[K]`` float32 atom values.
       with_q: also return the expected Q values.
-      config: launch shape (default: ``DEFAULT_CONFIGS[network.dtype]``); ``interpret=None``
-        interprets everywhere but on a CUDA GPU.
+      config: launch shape (default: the tuning table's for the default device and
+        ``network.dtype``); ``interpret=None``: interpreted unless that device compiles Triton.
     Returns:
       ``(q, actions)``: ``q`` a tuple over branches of ``[N, n_d]`` float32 expected Q (None
       when ``with_q`` is False) and ``actions [N, B]`` int32, the per-branch argmax (the first
@@ -786,6 +740,6 @@ def forward_flops(obs_dim: int, trunk: Sequence[int], head: int, atoms: int,
 __all__ = ["fused_q_forward", "fused_logits", "fused_act", "fused_bootstrap_loss", "c51_rows",
            "forward_rows", "pick_logits",
            "TakenLogits", "read_blocks", "launch",
-           "on_cuda", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
-           "DEFAULT_CONFIGS", "default_config", "LAYOUTS", "chunks", "block_rows_for",
+           "apply_draws", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
+           "LAYOUTS", "chunks",
            "forward_flops"]

@@ -30,20 +30,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.q_forward import (_ALIGN, KernelConfig, _next_pow2, _offsets, block_rows_for,
-                                      chunks, launch)
+from pallas_kernels.q_forward import _ALIGN, _offsets, chunks, launch
+from pallas_kernels.tuning import KernelConfig, block_rows_for, for_device, next_pow2
 
 _LAYERS = ("hidden_0", "hidden_1", "out")
 # Widest hidden or embedding width the kernel takes: a [BM, W] float32 accumulator and its two
 # bf16 halves stay in registers at BM = 128 up to W = 256.
 MAX_WIDTH = 256
-# 128 rows and 8 warps, as the Q-forward kernel's bfloat16 default.
-DEFAULT_CONFIG = KernelConfig(block_rows=128, num_warps=8)
 
 
 def _pow2(n: int) -> int:
     """A hidden or embedding width padded: a power of two, at least Triton's smallest dot."""
-    return max(_ALIGN, _next_pow2(n))
+    return max(_ALIGN, next_pow2(n))
 
 
 def supports(hidden: int, embed: int) -> bool:
@@ -63,9 +61,9 @@ def split_bf16_xla(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`split_bf16`, the same bits for finite ``x``, written so that an XLA program keeps
     it. XLA on a GPU may drop a float32 -> bfloat16 -> float32 round trip
     (``xla_allow_excess_precision``, on by default), which makes :func:`split_bf16`'s ``lo``
-    zero there (seen on an H200: the kernel's weights then multiplied as one bf16 product,
-    2e-3 off). Here ``hi`` is rounded with integer operations on the bits (to nearest, ties to
-    even), which no float simplification removes."""
+    zero there (the kernel's weights would then multiply as one bf16 product). Here ``hi`` is
+    rounded with integer operations on the bits (to nearest, ties to even), which no float
+    simplification removes."""
     bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
     odd = (bits >> 16) & jnp.uint32(1)
     hi = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x7FFF) + odd) & jnp.uint32(0xFFFF0000),
@@ -131,10 +129,12 @@ def prediction_error(target_params: Any, predictor_params: Any, obs: jax.Array, 
                      interpret: bool | None = None) -> jax.Array:
     """``||g(s) - f(s)||^2`` of each row: ``obs [N, D]`` -> ``[N]`` float32, the GEMMs as three
     bf16 products (see the module docstring). ``target_params``/``predictor_params``: Flax
-    params of ``RNDNetwork`` (``{"params": {"hidden_0", "hidden_1", "out"}}``)."""
+    params of ``RNDNetwork`` (``{"params": {"hidden_0", "hidden_1", "out"}}``). ``config``,
+    ``interpret``: launch shape and mode (default: the tuning table's for the default device,
+    :mod:`pallas_kernels.tuning`)."""
     if obs.ndim != 2:
         raise ValueError(f"rnd kernel: obs must be [N, D], got shape {obs.shape}")
-    config = DEFAULT_CONFIG if config is None else config
+    config = for_device().rnd if config is None else config
     n, d = obs.shape
     pieces = chunks(d)
     d_pad = sum(pieces)

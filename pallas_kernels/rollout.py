@@ -3,7 +3,7 @@
 This is an execution backend of the collection loop (``training/collect.py``) and of the greedy
 validation loop (``training/validate.py``) for the trading env. A ``lax.scan`` over L timesteps
 launches the forward, the exploration select and the env step as separate kernels every step,
-and at small N each step costs its launch latency, not its arithmetic (BENCHMARKS.md). Here each
+and at small N each step costs its launch latency, not its arithmetic. Here each
 program takes a block of ``BM`` episodes, keeps their state in registers and runs
 
     for t in range(L):
@@ -19,8 +19,8 @@ with one launch for the whole rollout. The env rules are not restated here: the 
 :func:`foxhunt_jax.env.trading.advance` and :func:`~foxhunt_jax.env.trading.portfolio_features`
 with Pallas refs in place of the price tables, so the step has one definition.
 
-Randomness is drawn outside, by the same functions and keys the scan uses
-(:func:`foxhunt_jax.agent.network.explore_draws`, :func:`foxhunt_jax.env.trading.start_bar`),
+Randomness is drawn outside, by the same functions and keys the scan uses (the agent's
+``explore_draws``, :func:`foxhunt_jax.env.trading.start_bar`),
 so both backends see the same exploration and reset draws; the tests require equal
 trajectories.
 
@@ -30,7 +30,6 @@ per-step outputs are ``[L, C, N]`` so every store is a contiguous row of ``BM`` 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -38,22 +37,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from foxhunt_jax.agent.network import apply_draws
 from foxhunt_jax.env import trading
-from pallas_kernels.q_forward import (_DTYPES, _offsets, KernelConfig, TakenLogits,
-                                      block_rows_for, default_config, forward_rows, launch,
-                                      make_plan, operand_names, pack_params, read_blocks)
+from pallas_kernels.q_forward import (_DTYPES, _offsets, TakenLogits, apply_draws, forward_rows,
+                                      launch, make_plan, operand_names, pack_params, read_blocks)
+from pallas_kernels.tuning import KernelConfig, block_rows_for, for_device
 
 P = trading.PORTFOLIO_DIM
 STATE_F = ("equity", "cash", "units", "exposure", "entry_price", "tp_price", "sl_price")
 STATE_I = ("bar", "step", "time_in_trade")
 # per-step outputs: float channels, then int32 channels followed by the B actions
 OUT_F = tuple(f"portfolio{j}" for j in range(P)) + tuple(f"next_portfolio{j}" for j in range(P)) \
-    + ("reward", "equity")
-OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "alive")
+    + ("reward", "equity", "turnover")
+OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive")
 MODES = ("collect", "evaluate")
 _TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", "stop_loss")
-_SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale")
+_SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale", "slippage_rate")
 
 
 def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num_steps: int,
@@ -115,7 +113,8 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
             out_f_ref[t, P + j, :] = next_port[j]
         out_f_ref[t, 2 * P, :] = reward
         out_f_ref[t, 2 * P + 1, :] = info["equity"]
-        ints = (state.bar, new.bar, term, trunc, info["traded"], alive)
+        out_f_ref[t, 2 * P + 2, :] = info["turnover"]
+        ints = (state.bar, new.bar, term, trunc, info["traded"], info["fills"], alive)
         for c, v in enumerate(ints):
             out_i_ref[t, c, :] = v.astype(jnp.int32)
         for d, a in enumerate(actions):
@@ -146,12 +145,18 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
         end_i_ref[i, :] = getattr(state, name)
 
 
-def rollout_config(dtype: str) -> KernelConfig:
-    """The rollout's default launch shape: the Q-forward's (:func:`default_config`) with whole
-    weight blocks read as used. A timestep at 16 rows a program is bound by moving 0.5 MB of
-    weights through one multiprocessor, not by waiting for them: reading blocks ahead changed
-    it by -4 % to +4 % on an H200 (BENCHMARKS.md, session 6)."""
-    return dataclasses.replace(default_config(dtype), max_chunk=None, lookahead=0)
+def launch_spans(num_steps: int) -> tuple[tuple[int, int], ...]:
+    """The steps ``[start, stop)`` of each launch of a collection rollout: the first three
+    quarters, then the rest (one launch under 4 steps).
+
+    The second launch continues from the first one's end state with the next steps' draws, so
+    the trajectory is the same as one launch's. The split lets work on the first launch's
+    results (the curiosity pass over its next observations) run beside the second launch.
+    """
+    tail = num_steps // 4
+    if tail < 1:
+        return ((0, num_steps),)
+    return ((0, num_steps - tail), (num_steps - tail, num_steps))
 
 
 def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
@@ -175,14 +180,16 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
       mode: ``"collect"``: finished episodes restart at ``reset_bars [L, N]`` (int32 start
         bars); ``"evaluate"``: episode n runs ``lengths[n]`` steps (default L) or until ruin,
         then stays frozen (``alive`` False).
-      draws: ``[L, N, B]`` int32 from :func:`~foxhunt_jax.agent.network.explore_draws` (-1 =
-        greedy), or None for the greedy policy.
+      draws: ``[L, N, B]`` int32 explore draws (:func:`~pallas_kernels.q_forward.apply_draws`;
+        -1 = greedy), or None for the greedy policy.
+      config, interpret: launch shape and mode (default: the tuning table's for the default
+        device, :mod:`pallas_kernels.tuning`).
     Returns:
       ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
       ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them); in collect
       mode also ``"greedy"`` ``[L, N, B]`` int32 (the greedy actions before exploration) and
       ``"taken_logits"``, per branch ``[L, N, K]`` float32 logits of the action taken (what
-      :func:`foxhunt_jax.agent.network.act` returns per step); ``end_state`` is the
+      the agent's collection forward returns per step); ``end_state`` is the
       ``EnvState`` after the last step.
     """
     if mode not in MODES:
@@ -190,7 +197,7 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     if (mode == "collect") != (reset_bars is not None):
         raise ValueError("fused_rollout: reset_bars are required in collect mode and only there")
     if config is None:
-        config = rollout_config(network.dtype)
+        config = for_device().rollout_config(network.dtype)
     n = state.bar.shape[0]
     dim = trading.obs_dim(env_params)
     plan = make_plan(network, dim, config.max_chunk)
@@ -247,7 +254,8 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
                   "has_take_profit": env_params.has_take_profit,
-                  "has_stop_loss": env_params.has_stop_loss}
+                  "has_stop_loss": env_params.has_stop_loss,
+                  "fill_next_open": env_params.fill_next_open}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
                                draws is not None, L, env_static)
     outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),
@@ -272,4 +280,4 @@ def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:
     return jnp.stack([out[f"{prefix}{j}"] for j in range(P)], axis=-1)
 
 
-__all__ = ["fused_rollout", "rollout_config", "portfolio", "MODES", "OUT_F", "OUT_I"]
+__all__ = ["fused_rollout", "launch_spans", "portfolio", "MODES", "OUT_F", "OUT_I"]

@@ -1,4 +1,4 @@
-"""Weak scaling over devices (DESIGN 3.13): collection and the whole epoch on 1 vs n devices.
+"""Weak scaling over devices: collection and the whole epoch on 1 vs n devices.
 
 Each device count ``n`` trains with ``n`` shards, ``n * N`` episodes of ``L`` steps, a global
 batch of ``n * M`` and a replay buffer holding exactly one epoch (``L * N`` slots per shard), so

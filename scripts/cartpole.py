@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import init_agent, make_learner, train_steps
 from foxhunt_jax.agent.network import greedy_actions
+from foxhunt_jax.backend import resolve
 from foxhunt_jax.config import load_config
 from foxhunt_jax.training.collect import EnvAdapter, collect, start
 
@@ -99,7 +100,8 @@ def run(iterations: int = ITERATIONS, seed: int = 0) -> dict:
     decay = max(int(iterations * EPSILON_DECAY_FRACTION), 1)
     cfg = load_config(None, OVERRIDES + [f"train.seed={seed}", f"train.epochs={iterations}",
                                          f"train.epsilon_decay_epochs={decay}"])
-    learner = make_learner(cfg, (2,))
+    backend = resolve(cfg.network)
+    learner = make_learner(cfg, (2,), replay_search=backend.tuning.replay)
     key = jax.random.PRNGKey(seed)
     k_agent, k_env, k_run, k_eval = jax.random.split(key, 4)
     agent = init_agent(k_agent, learner, 4)
@@ -116,8 +118,8 @@ def run(iterations: int = ITERATIONS, seed: int = 0) -> dict:
         k_col, k_learn = jax.random.split(k)
         frac = jnp.clip(i / t.epsilon_decay_epochs, 0.0, 1.0)
         eps = t.epsilon_start + frac * (t.epsilon_end - t.epsilon_start)
-        rollout, items, prio, _, _ = collect(learner, ADAPTER, ENV_PARAMS, agent, rollout, k_col,
-                                             eps, STEPS_PER_ITER)
+        rollout, items, prio, _, _ = collect(learner, backend, ADAPTER, ENV_PARAMS, agent,
+                                             rollout, k_col, eps, STEPS_PER_ITER)
         buffer = replay.add(buffer, items, prio, cfg.replay.alpha, cfg.replay.priority_eps)
         r = cfg.replay
         beta = r.beta_start + (i / iterations) * (r.beta_end - r.beta_start)

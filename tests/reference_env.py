@@ -61,68 +61,92 @@ def simulate(tables, cfg: EnvConfig, starts, actions) -> dict:
     """Runs episodes from ``starts`` [N] with ``actions`` [N, L, B] (no auto-reset).
 
     Returns float64/int/bool arrays [L, N]: equity, reward, cost, traded, exit_price, barrier,
-    terminated, truncated; and portfolio [L, N, 6], the portfolio observation before each step.
+    terminated, truncated, fills (every fill of the step: the chosen trade, a barrier or ruin
+    exit) and turnover (the exposure those fills moved); and portfolio [L, N, 6], the portfolio
+    observation before each step.
     """
     O, H, Lo, C, S = (np.asarray(a, np.float64) for a in
                       (tables.open, tables.high, tables.low, tables.close, tables.sigma))
     actions = np.asarray(actions)
     n_ep, n_steps = actions.shape[0], actions.shape[1]
-    rate = cfg.cost_bps / 1e4
+    rate, slip = cfg.cost_bps / 1e4, cfg.slippage_bps / 1e4
     has_tp, has_sl = len(cfg.take_profit) > 0, len(cfg.stop_loss) > 0
-    names = ("equity", "reward", "cost", "exit_price")
+    names = ("equity", "reward", "cost", "exit_price", "turnover")
     out = {k: np.zeros((n_steps, n_ep)) for k in names}
     out.update(barrier=np.zeros((n_steps, n_ep), np.int64),
+               fills=np.zeros((n_steps, n_ep), np.int64),
                traded=np.zeros((n_steps, n_ep), bool), terminated=np.zeros((n_steps, n_ep), bool),
                truncated=np.zeros((n_steps, n_ep), bool), portfolio=np.zeros((n_steps, n_ep, 6)))
+
+    def close_out(ep, market):
+        """Sells a long / buys back a short at ``market`` moved against it by the slippage;
+        returns (executed price, fee)."""
+        executed = market * (1 - slip) if ep.units > 0 else market * (1 + slip)
+        fee = abs(ep.units) * executed * rate + cfg.fixed_cost
+        ep.cash += ep.units * executed - fee
+        return executed, fee
+
     for i in range(n_ep):
         ep = _Episode(int(starts[i]))
         for k in range(n_steps):
             t = ep.bar
             c, s = C[t], S[t]
+            o, h, lo, cl = O[t + 1], H[t + 1], Lo[t + 1], C[t + 1]
             act = [int(a) for a in actions[i, k]]
             eq0 = ep.cash + ep.units * c
             out["portfolio"][k, i] = _portfolio(ep, c, s, eq0, cfg.time_barrier)
             target = float(cfg.exposures[act[0]])
-            cost = 0.0
+            cost, fills, turnover = 0.0, 0, 0.0
             traded = target != ep.exposure
             if traded:
-                units = target * eq0 / c
-                fee = abs(units - ep.units) * c * rate + cfg.fixed_cost
-                ep.cash -= (units - ep.units) * c + fee
+                px = o if cfg.fill == "next_open" else c
+                units = target * (ep.cash + ep.units * px) / px
+                d = units - ep.units
+                executed = px * (1 + slip) if d > 0 else px * (1 - slip) if d < 0 else px
+                fee = abs(d) * executed * rate + cfg.fixed_cost
+                ep.cash -= d * executed + fee
                 cost += fee
+                fills, turnover = 1, abs(target - ep.exposure)
                 if target == 0:
                     ep.flatten()
                 else:
-                    ep.units, ep.exposure, ep.entry, ep.held = units, target, c, 0
+                    ep.units, ep.exposure, ep.entry, ep.held = units, target, px, 0
                     sign = 1.0 if target > 0 else -1.0
-                    ep.tp = _f32(c * (1 + sign * cfg.take_profit[act[1]] * s)) if has_tp else None
+                    ep.tp = _f32(px * (1 + sign * cfg.take_profit[act[1]] * s)) if has_tp else None
                     j = 1 + int(has_tp)
-                    ep.sl = _f32(c * (1 - sign * cfg.stop_loss[act[j]] * s)) if has_sl else None
-            o, h, lo, cl = O[t + 1], H[t + 1], Lo[t + 1], C[t + 1]
-            code, px = 0, 0.0
+                    ep.sl = _f32(px * (1 - sign * cfg.stop_loss[act[j]] * s)) if has_sl else None
+            code, exit_px = 0, 0.0
             if ep.units != 0:
                 is_long = ep.exposure > 0
                 if ep.sl is not None and (lo <= ep.sl if is_long else h >= ep.sl):
-                    code, px = 2, (min(o, ep.sl) if is_long else max(o, ep.sl))
+                    code, market = 2, (min(o, ep.sl) if is_long else max(o, ep.sl))
                 elif ep.tp is not None and (h >= ep.tp if is_long else lo <= ep.tp):
-                    code, px = 1, (max(o, ep.tp) if is_long else min(o, ep.tp))
+                    code, market = 1, (max(o, ep.tp) if is_long else min(o, ep.tp))
                 elif ep.held + 1 >= cfg.time_barrier:
-                    code, px = 3, cl
+                    code, market = 3, cl
                 if code:
-                    fee = abs(ep.units) * px * rate + cfg.fixed_cost
-                    ep.cash += ep.units * px - fee
+                    exit_px, fee = close_out(ep, market)
                     cost += fee
+                    fills, turnover = fills + 1, turnover + abs(ep.exposure)
                     ep.flatten()
                 else:
                     ep.held += 1
+            term = ep.cash + ep.units * cl < cfg.ruin_floor
+            if term and ep.units != 0:  # ruin closes the position still open at the close
+                code = 4
+                exit_px, fee = close_out(ep, cl)
+                cost += fee
+                fills, turnover = fills + 1, turnover + abs(ep.exposure)
+                ep.flatten()
             eq1 = ep.cash + ep.units * cl
-            term = eq1 < cfg.ruin_floor
             out["equity"][k, i] = eq1
             out["reward"][k, i] = cfg.reward_scale * math.log(max(eq1, FLOOR) / max(eq0, FLOOR))
             out["cost"][k, i] = cost
             out["traded"][k, i] = traded
-            out["exit_price"][k, i] = px
+            out["exit_price"][k, i] = exit_px
             out["barrier"][k, i] = code
+            out["fills"][k, i] = fills
+            out["turnover"][k, i] = turnover
             out["terminated"][k, i] = term
             out["truncated"][k, i] = (k + 1 >= cfg.episode_length) and not term
             ep.bar, ep.k = t + 1, k + 1

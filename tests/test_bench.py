@@ -15,6 +15,7 @@ from foxhunt_jax.bench import cmdbuf, common, compilation, forward, options, rep
 from foxhunt_jax.bench import train as train_section
 from foxhunt_jax.cli import build_parser, cmd_bench
 from foxhunt_jax.config import load_config
+from foxhunt_jax.errors import FoxhuntError
 
 
 @pytest.fixture
@@ -202,7 +203,7 @@ def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
     assert "Seed epoch" in capsys.readouterr().out
     second["meta"]["commit"] = "def5678"
     assert report.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
-    with pytest.raises(SystemExit, match="cannot read"):
+    with pytest.raises(FoxhuntError, match="cannot read"):
         runner.main(["--merge", str(tmp_path / "missing.json")])
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from foxhunt_jax import backend as backends
 from foxhunt_jax.agent.learner import init_agent, make_learner, per_sample_loss
 from foxhunt_jax.agent.loss import n_step_targets
 from foxhunt_jax.agent.network import q_forward
@@ -26,9 +27,11 @@ from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
 from foxhunt_jax.training import collect, validate
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
+from pallas_kernels import tuning
 
 SMALL = ["network.trunk=[32]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
          "curiosity.embed=4", "network.backend=xla"]
+XLA = backends.make("xla", tuning.for_device())
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +64,11 @@ def test_initial_priorities_equal_the_learners_loss(tables, n_step, limit, overr
 
     @jax.jit
     def run(r, k):
-        _, traj = collect.trajectory(learner, adapter, params, agent.params, r, k,
+        _, traj = collect.trajectory(learner, XLA, adapter, params, agent.params, r, k,
                                      jnp.float32(0.3), steps)
-        r2, items, prio, _, _ = collect.collect(learner, adapter, params, agent, r, k,
+        r2, items, prio, _, _ = collect.collect(learner, XLA, adapter, params, agent, r, k,
                                                 jnp.float32(0.3), steps)
-        return r2, traj, collect.next_greedy(learner, adapter, params, agent.params,
+        return r2, traj, collect.next_greedy(learner, XLA, adapter, params, agent.params,
                                              traj), items, prio
 
     for window in range(2):
@@ -123,10 +126,11 @@ def test_validation_loss_equals_the_learners_loss(tables, episode_length, length
     agent = agent.replace(params=jax.tree.map(lambda x: 1.5 * x, agent.params))
     starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 8))
     lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    traj = jax.jit(lambda p: validate.greedy_rollout(learner, p, params, starts, 6,
+    traj = jax.jit(lambda p: validate.greedy_rollout(learner, XLA, p, params, starts, 6,
                                                      jax.random.key(0), lens))(agent.params)
-    got = jax.jit(lambda a, tr: validate.validation_loss(learner, a.params, a.target_params,
-                                                         params, tr))(agent, traj)
+    got = jax.jit(lambda a, tr: validate.validation_loss(learner, XLA, a.params,
+                                                         a.target_params, params, tr))(agent,
+                                                                                       traj)
     flat = lambda x: np.asarray(x).reshape((-1,) + np.shape(x)[2:])  # noqa: E731
     returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
                                                  traj["truncated"] | ~traj["alive"],
@@ -149,9 +153,7 @@ def test_validation_loss_equals_the_learners_loss(tables, episode_length, length
 def test_novelty_spans_route_each_pass_to_the_curiosity_kernel_or_xla(tables):
     """``collect.novelty`` under the pallas backend: a span of at least 1,024 rows runs the
     curiosity kernel, a smaller one XLA's true f32 pass; both give XLA's novelty."""
-    from foxhunt_jax.agent import curiosity
-    from foxhunt_jax.training import fused
-
+    pallas = backends.make("pallas", tuning.for_device())  # interpret mode off a CUDA GPU
     cfg = load_config("smoke", SMALL + ["env.episode_length=4", "curiosity.precision=bf16x3"])
     params = trading.make_params(tables, cfg.env, "train")
     learner = make_learner(cfg, cfg.env.branch_sizes)
@@ -160,15 +162,17 @@ def test_novelty_spans_route_each_pass_to_the_curiosity_kernel_or_xla(tables):
     n, steps = 256, 6
     key = jax.random.key(seed + 1)
     rollout = collect.start(TRADING_ADAPTER, params, key, n)
-    _, traj = jax.jit(lambda r, k: collect.trajectory(learner, TRADING_ADAPTER, params,
+    _, traj = jax.jit(lambda r, k: collect.trajectory(learner, XLA, TRADING_ADAPTER, params,
                                                       agent.params, r, k, jnp.float32(0.3),
                                                       steps))(rollout, key)
-    spans = fused.rollout_spans(steps)
-    assert [curiosity.uses_kernel(agent.rnd.cfg, (b - a) * n, "pallas") for a, b in spans] == [
-        True, False]
-    got, want = (jax.jit(lambda e, _b=b: collect.novelty(TRADING_ADAPTER, params, agent.rnd, e,
-                                                         spans, _b))(traj["next_obs"])
-                 for b in ("pallas", "xla"))
+    spans = collect.rollout_spans(pallas, TRADING_ADAPTER, n, steps)
+    obs_dim = trading.obs_dim(params)
+    kernels = ["pallas_call" in str(jax.make_jaxpr(lambda o: pallas.novelty(agent.rnd, o))(
+        jax.ShapeDtypeStruct(((b - a) * n, obs_dim), jnp.float32))) for a, b in spans]
+    assert kernels == [True, False]
+    got, want = (jax.jit(lambda e, _b=b: collect.novelty(_b, TRADING_ADAPTER, params, agent.rnd,
+                                                         e, spans))(traj["next_obs"])
+                 for b in (pallas, XLA))
     chex.assert_shape(got, (steps, n))
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * scale

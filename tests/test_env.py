@@ -16,6 +16,8 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.training import validate
+from foxhunt_jax.training.metrics import trading_metrics
 from reference_env import simulate
 
 KEY = jax.random.key(0)
@@ -62,23 +64,26 @@ def us_tables():
     return real_tables("us_stocks_daily")
 
 
-# name -> (config, dataset, split)
+# name -> (config, dataset, split); each runs under both fill modes
 CASES = {
     "default": (EnvConfig(), "us_stocks_daily", "train"),
-    "default_fx": (EnvConfig(), "eurusd_hourly", "validation"),
+    "default_fx_slippage": (EnvConfig(slippage_bps=3.0), "eurusd_hourly", "validation"),
     "one_branch_fixed_cost": (EnvConfig(take_profit=(), stop_loss=(), fixed_cost=1e-3,
                                         cost_bps=5.0), "us_stocks_daily", "test"),
     "short_time_barrier_tp_only": (EnvConfig(stop_loss=(), time_barrier=2, cost_bps=10.0,
-                                             take_profit=(0.5, 1.5)), "us_stocks_daily", "train"),
+                                             take_profit=(0.5, 1.5), slippage_bps=1.0),
+                                   "us_stocks_daily", "train"),
     "sl_only_tight": (EnvConfig(take_profit=(), stop_loss=(0.5, 1.0), time_barrier=1,
                                 exposures=(-1.0, 1.0), fixed_cost=2e-4, ruin_floor=0.9),
                       "us_stocks_daily", "test"),
 }
 
 
+@pytest.mark.parametrize("fill", ["next_open", "close"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference_on_real_data(name):
+def test_matches_reference_on_real_data(name, fill):
     cfg, data, split = CASES[name]
+    cfg = dataclasses.replace(cfg, fill=fill)
     tables = real_tables(data)
     params = trading.make_params(tables, cfg, split)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -89,14 +94,14 @@ def test_matches_reference_on_real_data(name):
     ref = simulate(tables, cfg, starts, acts)
 
     chex.assert_shape([dev["equity"], dev["reward"], dev["cost"]], (steps, n))
-    chex.assert_type([dev["equity"], dev["reward"], dev["cost"], dev["exit_price"]], np.float32)
-    np.testing.assert_array_equal(dev["barrier"], ref["barrier"])
-    np.testing.assert_array_equal(dev["traded"], ref["traded"])
-    np.testing.assert_array_equal(dev["terminated"], ref["terminated"])
-    np.testing.assert_array_equal(dev["truncated"], ref["truncated"])
+    chex.assert_type([dev["equity"], dev["reward"], dev["cost"], dev["exit_price"],
+                      dev["turnover"]], np.float32)
+    for k in ("barrier", "traded", "fills", "terminated", "truncated"):
+        np.testing.assert_array_equal(dev[k], ref[k], err_msg=k)
     np.testing.assert_allclose(dev["equity"], ref["equity"], rtol=1e-5)
     np.testing.assert_allclose(dev["exit_price"], ref["exit_price"], rtol=1e-6)
     np.testing.assert_allclose(dev["cost"], ref["cost"], rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(dev["turnover"], ref["turnover"], rtol=1e-6)
     np.testing.assert_allclose(dev["reward"], ref["reward"], atol=2e-4)
     cols = [0, 1, 2, 5]
     np.testing.assert_allclose(dev["portfolio"][..., cols], ref["portfolio"][..., cols],
@@ -110,10 +115,12 @@ def test_matches_reference_on_real_data(name):
     np.testing.assert_array_equal(dev["obs"][:-1, :, -trading.P:], dev["portfolio"][1:])
     # the run exercised the rules it checks
     codes = set(np.unique(ref["barrier"]).tolist())
-    allowed = {0, 3} | ({1} if cfg.take_profit else set()) | ({2} if cfg.stop_loss else set())
-    required = (allowed - {0, 3}) | ({3} if cfg.time_barrier <= 2 else set())
+    allowed = {0, 3, 4} | ({1} if cfg.take_profit else set()) | ({2} if cfg.stop_loss else set())
+    required = (allowed - {0, 3, 4}) | ({3} if cfg.time_barrier <= 2 else set())
     assert required <= codes <= allowed, codes
     assert ref["truncated"][-1].sum() + ref["terminated"].any(0).sum() >= n
+    if cfg.take_profit or cfg.stop_loss:  # a trade and an exit in one step, both counted
+        assert (ref["fills"] == 2).any()
     if name == "sl_only_tight":
         assert ref["terminated"].any()
 
@@ -145,8 +152,9 @@ def _tables(open_, high, low, close, sigma=0.01, episode_length=3):
         bars_per_year=252.0, episode_length=episode_length)
 
 
-def _cfg(cost_bps=0.0, fixed_cost=0.0):
-    return EnvConfig(episode_length=3, time_barrier=1, cost_bps=cost_bps, fixed_cost=fixed_cost)
+def _cfg(cost_bps=0.0, fixed_cost=0.0, fill="close", slippage_bps=0.0):
+    return EnvConfig(episode_length=3, time_barrier=1, cost_bps=cost_bps, fixed_cost=fixed_cost,
+                     fill=fill, slippage_bps=slippage_bps)
 
 
 JIT_STEP_ENV = jax.jit(trading.step_env)
@@ -217,6 +225,56 @@ def test_costs_and_time_barrier():
     assert bool(info["traded"]) and int(state.time_in_trade) == 0
 
 
+def test_next_open_fill_pays_slippage_both_ways():
+    # decided at close 100; fills at bar 1's open 102 at 102 * 1.001; stop 102 * (1 - 3%) and
+    # take-profit 102 * (1 + 3%) are untouched; the one-bar time barrier sells at the close 103
+    # at 103 * 0.999
+    cfg = _cfg(fill="next_open", slippage_bps=10.0)
+    bars = ([100, 102], [100, 104], [100, 101.5], [100, 103])
+    _, state, _, _, _, info = _first_step(bars, [4, 2, 2], cfg)
+    units = 1 / 102
+    assert float(info["equity"]) == pytest.approx(1 + units * (103 * 0.999 - 102 * 1.001),
+                                                  rel=1e-6)
+    assert int(info["barrier"]) == trading.TIME
+    assert float(info["exit_price"]) == pytest.approx(103 * 0.999, rel=1e-6)
+    assert int(info["fills"]) == 2 and float(info["turnover"]) == 2.0
+    assert float(state.units) == 0
+
+
+def test_next_open_barriers_are_set_from_the_fill_and_checked_on_its_bar():
+    # decided at close 100; bar 1 opens at 95 and fills there: the stop (1 sigma) is 94.05, from
+    # the fill, not from the decision's close; bar 1's low 94 touches it
+    cfg = _cfg(fill="next_open")
+    bars = ([100, 95], [100, 96], [100, 94], [100, 95.5])
+    _, _, _, _, _, info = _first_step(bars, [4, 0, 0], cfg)
+    assert int(info["barrier"]) == trading.STOP_LOSS
+    assert float(info["exit_price"]) == pytest.approx(95 * 0.99, rel=1e-6)
+    assert float(info["equity"]) == pytest.approx(0.99, rel=1e-5)
+    # filled at the close instead, the same bar gaps through the stop at 99 and exits at the open
+    _, _, _, _, _, info = _first_step(bars, [4, 0, 0], _cfg(fill="close"))
+    assert float(info["exit_price"]) == 95.0
+
+
+def test_ruin_closes_the_open_position_at_the_close():
+    # long at 100 with barriers far away (sigma 50%: stop at -50, take-profit at 150, time
+    # barrier 5 bars); bar 1 closes at 45: equity 0.45 < 0.5 ends the episode and sells at 45,
+    # paying the cost
+    cfg = dataclasses.replace(_cfg(cost_bps=10.0), time_barrier=5)
+    bars = ([100, 46], [100, 47], [100, 44], [100, 45])
+    tables = _tables(*bars, sigma=0.5)
+    params = trading.make_params(tables, cfg, "train")
+    _, state = JIT_RESET_AT(0, params)
+    _, new, _, term, _, info = JIT_STEP_ENV(KEY, state, jnp.asarray([4, 2, 2], jnp.int32), params)
+    ref = simulate(tables, cfg, [0], np.asarray([[[4, 2, 2]]], np.int32))
+    assert bool(term) and ref["terminated"][0, 0]
+    assert int(info["barrier"]) == trading.RUIN == ref["barrier"][0, 0]
+    assert int(info["fills"]) == 2 and float(info["turnover"]) == 2.0
+    # 0.01 units bought at 100 for 1 plus 0.001 cost, sold at 45 for 0.45 less 0.00045 cost
+    assert float(info["equity"]) == pytest.approx(0.45 - 0.001 - 0.00045, rel=1e-5)
+    assert float(info["equity"]) == pytest.approx(ref["equity"][0, 0], rel=1e-6)
+    assert float(new.units) == 0 and float(new.exposure) == 0
+
+
 def test_ruin_terminates_and_auto_reset_is_fresh():
     # long at 100; bar 1 gaps to 40, through the stop at 97: equity 0.4 < ruin floor 0.5
     params = trading.make_params(_tables([100, 40], [100, 41], [100, 39], [100, 40]), _cfg(),
@@ -280,9 +338,9 @@ def test_shapes_dtypes_and_params(us_tables):
         jax.tree.map(lambda x: (x.shape, x.dtype), state)
     assert obs2.shape == (40,) and reward.shape == () and reward.dtype == jnp.float32
     assert term.dtype == trunc.dtype == info["traded"].dtype == jnp.bool_
-    assert info["barrier"].dtype == jnp.int32
-    assert {k: v.dtype for k, v in info.items() if k not in ("traded", "barrier")} == \
-        {k: jnp.float32 for k in ("equity", "cost", "exit_price")}
+    assert info["barrier"].dtype == info["fills"].dtype == jnp.int32
+    assert {k: v.dtype for k, v in info.items() if k not in ("traded", "barrier", "fills")} == \
+        {k: jnp.float32 for k in ("equity", "cost", "exit_price", "turnover")}
     with pytest.raises(ConfigError, match="unknown split 'dev'"):
         trading.make_params(us_tables, cfg, "dev")
     # a longer horizon than the tables' (walking a whole split) is allowed; starts stay the
@@ -321,3 +379,43 @@ def test_random_rollout_1024_episodes(us_tables):
     assert bool(jnp.all(done_last))
     # random trading pays costs: mean log growth is negative
     assert float(out["reward"].mean()) < 0
+
+
+@pytest.mark.parametrize("fill", ["next_open", "close"])
+def test_always_long_walk_counts_every_exit(us_tables, fill):
+    """An always-long policy walked over the test split: its trades and turnover count the
+    take-profit, stop-loss and time-barrier exits and the re-entries after them, and equal the
+    float64 reference's."""
+    cfg = EnvConfig(fill=fill)
+    long_action = np.asarray([cfg.exposures.index(1.0), 1, 1], np.int32)
+    params, starts, lengths = validate.evaluation_params(us_tables, cfg, "test")
+    steps = int(lengths.max())
+
+    def always_long(key, obs, state):
+        return jnp.broadcast_to(jnp.asarray(long_action), (obs.shape[0], long_action.size))
+
+    traj = jax.jit(lambda p: validate.policy_rollout(p, jnp.asarray(starts), steps, always_long,
+                                                     KEY, jnp.asarray(lengths)))(params)
+    paths = validate.equity_paths(traj)
+    got = trading_metrics(paths["equity"], paths["exposure"], paths["trades"], 252.0,
+                          turnover=paths["turnover"])
+
+    w = len(starts)
+    eq = np.full((w, steps + 1), np.nan)
+    fills, turnover = np.zeros((w, steps)), np.zeros((w, steps))
+    for i in range(w):
+        n = int(lengths[i])
+        ref = simulate(us_tables, dataclasses.replace(cfg, episode_length=n), starts[i:i + 1],
+                       np.broadcast_to(long_action, (1, n, 3)))
+        alive = np.cumsum(ref["terminated"][:, 0]) - ref["terminated"][:, 0] == 0
+        m = int(alive.sum())
+        eq[i, 0], eq[i, 1:m + 1] = 1.0, ref["equity"][:m, 0]
+        fills[i, :m], turnover[i, :m] = ref["fills"][:m, 0], ref["turnover"][:m, 0]
+    bars = int(np.isfinite(eq[:, 1:]).sum())
+    assert got["bars"] == bars
+    assert got["trades"] == int(fills.sum())
+    np.testing.assert_allclose(got["turnover"], turnover.sum() / bars, rtol=1e-6)
+    # many more trades than one entry per walk: every exit and re-entry counts
+    assert got["trades"] > 10 * w
+    # the chosen exposure alone never changes after the first bar: its turnover would be 1 / L
+    assert got["turnover"] > 10 * w / bars

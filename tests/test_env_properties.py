@@ -1,10 +1,13 @@
 """Property tests of the trading env on real bars (hypothesis; one jitted function for all cases).
 
-Costs, the ruin floor and the action mix vary per example; cost and floor are traced parameters,
-so every example reuses one compiled program.
+Costs, slippage, the ruin floor, the fill mode and the action mix vary per example; costs,
+slippage and floor are traced parameters, so every example reuses one of two compiled programs
+(one per fill mode).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foxhunt_jax.config import EnvConfig
+from foxhunt_jax.config import FILLS, EnvConfig
 from foxhunt_jax.data.features import build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
@@ -32,10 +35,10 @@ def run(params, starts, actions):
 
     def body(state, a):
         before = {"units_before": state.units, "equity_before": state.equity,
-                  "bar": state.bar}
+                  "exposure_before": state.exposure, "bar": state.bar}
         _, state, reward, term, trunc, info = step_v(jax.random.key(0), state, a, params)
         return state, dict(info, **before, reward=reward, terminated=term, truncated=trunc,
-                           units_after=state.units)
+                           units_after=state.units, exposure_after=state.exposure)
 
     return jax.lax.scan(body, state, jnp.swapaxes(actions, 0, 1))[1]
 
@@ -43,7 +46,8 @@ def run(params, starts, actions):
 @pytest.fixture(scope="module")
 def env():
     tables = build_tables(load_market(["builtin:us_stocks_daily"]), episode_length=STEPS)
-    return tables, trading.make_params(tables, CFG, "train")
+    return tables, {fill: trading.make_params(tables, dataclasses.replace(CFG, fill=fill), "train")
+                    for fill in FILLS}
 
 
 @st.composite
@@ -54,12 +58,15 @@ def cases(draw):
     cost_bps = draw(st.floats(0.5, 50.0))
     fixed_cost = draw(st.sampled_from([0.0, 1e-4, 1e-3]))
     ruin_floor = draw(st.floats(0.5, 0.995))
-    return seed, p_flat, p_keep, cost_bps, fixed_cost, ruin_floor
+    fill = draw(st.sampled_from(FILLS))
+    slippage_bps = draw(st.sampled_from([0.0, 0.5, 5.0]))
+    return seed, p_flat, p_keep, cost_bps, fixed_cost, ruin_floor, fill, slippage_bps
 
 
 def _simulate_case(env, case):
-    tables, params = env
-    seed, p_flat, p_keep, cost_bps, fixed_cost, ruin_floor = case
+    tables, params_of = env
+    seed, p_flat, p_keep, cost_bps, fixed_cost, ruin_floor, fill, slippage_bps = case
+    params = params_of[fill]
     rng = np.random.default_rng(seed)
     sizes = CFG.branch_sizes
     acts = np.stack([rng.integers(0, k, (N, STEPS)) for k in sizes], axis=-1)
@@ -70,7 +77,7 @@ def _simulate_case(env, case):
     starts = rng.choice(tables.starts["train"], N)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     p = params.replace(cost_rate=f32(cost_bps / 1e4), fixed_cost=f32(fixed_cost),
-                       ruin_floor=f32(ruin_floor))
+                       ruin_floor=f32(ruin_floor), slippage_rate=f32(slippage_bps / 1e4))
     out = jax.tree.map(np.asarray, run(p, jnp.asarray(starts, jnp.int32),
                                        jnp.asarray(acts, jnp.int32)))
     return out, acts, ruin_floor
@@ -102,17 +109,37 @@ def test_costs_only_on_trades_and_exits(env, case):
 
 @SETTINGS
 @given(case=cases())
-def test_barrier_exits_inside_the_next_bar(env, case):
+def test_exits_inside_the_next_bar(env, case):
     tables, _ = env
     out, _, _ = _simulate_case(env, case)
+    slip = case[-1] / 1e4
     hit = out["barrier"] != 0
     nxt = out["bar"] + 1
-    lo, hi = tables.low[nxt], tables.high[nxt]
-    assert np.all(out["exit_price"][hit] >= lo[hit]) and np.all(out["exit_price"][hit] <= hi[hit])
-    np.testing.assert_array_equal(out["exit_price"][out["barrier"] == trading.TIME],
-                                  tables.close[nxt][out["barrier"] == trading.TIME])
+    lo, hi, close = tables.low[nxt], tables.high[nxt], tables.close[nxt]
+    # an exit executes inside bar t+1's range, moved by at most the slippage
+    px = out["exit_price"].astype(np.float64)
+    assert np.all(px[hit] >= lo[hit] * (1 - slip) * (1 - 1e-6))
+    assert np.all(px[hit] <= hi[hit] * (1 + slip) * (1 + 1e-6))
+    at_close = (out["barrier"] == trading.TIME) | (out["barrier"] == trading.RUIN)
+    np.testing.assert_allclose(np.abs(px[at_close] / close[at_close] - 1), slip, atol=1e-6)
     assert np.all(out["exit_price"][~hit] == 0)
     assert np.all(out["units_after"][hit] == 0)
+
+
+@SETTINGS
+@given(case=cases())
+def test_fills_and_turnover_count_every_position_change(env, case):
+    out, acts, _ = _simulate_case(env, case)
+    exited = out["barrier"] != 0
+    np.testing.assert_array_equal(out["fills"], out["traded"].astype(int) + exited)
+    # the exposure after the chosen trade is the chosen one; an exit moves it to 0
+    chosen = np.asarray(CFG.exposures, np.float32)[acts[:, :, 0].T]
+    want = np.where(out["traded"], np.abs(chosen - out["exposure_before"]), 0) \
+        + np.where(exited, np.abs(chosen), 0)
+    np.testing.assert_allclose(out["turnover"], want, rtol=1e-6)
+    # every change of the held position between steps is one or more fills
+    changed = out["exposure_after"] != out["exposure_before"]
+    assert np.all(out["fills"][changed] >= 1)
 
 
 @SETTINGS

@@ -1,8 +1,13 @@
-"""Features, splits and normalization: values against a per-bar loop reference, no look-ahead."""
+"""Features, splits and normalization: values against a per-bar loop reference, no look-ahead;
+the feature registry and the config key ``data.features`` (choosing, patterns, user features,
+errors), and a tiny run on a chosen list with a user feature."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import chex
 import jax
@@ -10,17 +15,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from foxhunt_jax.config import EnvConfig
+import foxhunt_jax
+from foxhunt_jax import api
+from foxhunt_jax.cli import main
+from foxhunt_jax.config import EnvConfig, load_config
+from foxhunt_jax.data import features as feats
 from foxhunt_jax.data.features import (
-    FEATURE_NAMES,
+    DEFAULT_FEATURES,
+    MAX_WINDOW,
     SPLITS,
     WARMUP,
+    LookAheadError,
     build_tables,
+    check_no_lookahead,
     instrument_features,
+    random_bars,
+    register,
+    registered,
+    unregister,
 )
 from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.data.market import Instrument
 from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.policy.policy import Policy
 from reference_env import random_market, replace_bars
 
 L = 20
@@ -75,9 +93,9 @@ def _ref_row(ins, t: int) -> dict:
 
 def test_shapes_dtypes_and_names(market, tables):
     T = sum(len(i) - WARMUP for i in market.instruments)
-    F = len(FEATURE_NAMES)
-    assert F == 34 and FEATURE_NAMES[0] == "ret_1" and len(set(FEATURE_NAMES)) == F
-    assert tables.feature_names == FEATURE_NAMES and tables.num_features == F
+    F = len(DEFAULT_FEATURES)
+    assert F == 34 and DEFAULT_FEATURES[0] == "ret_1" and len(set(DEFAULT_FEATURES)) == F
+    assert tables.feature_names == DEFAULT_FEATURES and tables.num_features == F
     chex.assert_shape(tables.features, (T, F))
     chex.assert_type(tables.features, np.float32)
     for a in (tables.open, tables.high, tables.low, tables.close, tables.sigma,
@@ -100,11 +118,11 @@ def test_raw_features_match_loop_reference(market):
     rng = np.random.default_rng(0)
     for ins in market.instruments:
         raw = instrument_features(ins)
-        chex.assert_shape(raw, (len(ins), len(FEATURE_NAMES)))
+        chex.assert_shape(raw, (len(ins), len(DEFAULT_FEATURES)))
         assert np.all(np.isfinite(raw[WARMUP:]))
         for t in rng.integers(WARMUP, len(ins), 12):
             ref = _ref_row(ins, int(t))
-            np.testing.assert_allclose(raw[t], [ref[n] for n in FEATURE_NAMES], rtol=1e-9,
+            np.testing.assert_allclose(raw[t], [ref[n] for n in DEFAULT_FEATURES], rtol=1e-9,
                                        atol=1e-12, err_msg=f"{ins.name} bar {t}")
 
 
@@ -175,8 +193,8 @@ def test_bad_prices_raise_data_error():
     bad = replace_bars(m, 1, 150, np.random.default_rng(0), last=150)
     ins = bad.instruments[1]
     ins.close[150] = 0.0  # the arrays are fresh copies
-    with pytest.raises(DataError, match=r"random:4: feature 'ret_1' is not finite at bar 150 "
-                                        r"of instrument R1"):
+    with pytest.raises(DataError, match=r"random:4: instrument R1, bar 150 \(2001-05-31 "
+                                        r"00:00:00\): close 0 is below the smallest accepted"):
         build_tables(bad, episode_length=10)
 
 
@@ -184,7 +202,7 @@ def test_zero_volume_gives_zero_volume_feature():
     m = random_market(3, lengths=(300,), zero_volume=True)
     raw = instrument_features(m.instruments[0])
     for name in ("volume_z_20", "volume_z_60"):
-        assert np.all(raw[WARMUP:, FEATURE_NAMES.index(name)] == 0)
+        assert np.all(raw[WARMUP:, DEFAULT_FEATURES.index(name)] == 0)
     t = build_tables(m, episode_length=10)
     assert np.all(np.isfinite(t.features))
 
@@ -264,3 +282,204 @@ def test_real_eurusd_hourly():
     assert 6000 < t.bars_per_year < 6500 and t.bar_seconds == 3600.0
     assert [len(t.starts[s]) for s in SPLITS] == [
         b - a + 1 - 100 for a, b in (t.segments[s][0] for s in SPLITS)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry and data.features
+
+HISTORICAL_ORDER = (  # the 34 columns every run before data.features existed was trained on
+    "ret_1", "ret_2", "ret_5", "ret_10", "ret_20", "ret_60",
+    "ret_1_lag1", "ret_1_lag2", "ret_1_lag3", "ret_1_lag4",
+    "vol_5", "vol_10", "vol_20", "vol_60", "vol_ratio_5_60", "vol_ratio_20_60", "ret_1_z",
+    "bar_pos", "bar_range", "bar_body", "upper_wick", "lower_wick", "gap",
+    "range_pos_20", "range_pos_60", "range_vol_20", "high_dist_60", "low_dist_60",
+    "volume_z_20", "volume_z_60", "ma_gap_5", "ma_gap_10", "ma_gap_20", "ma_gap_50",
+)
+TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
+        "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
+        "train.train_steps=2", "replay.capacity=512", "train.batch_size=16",
+        "train.validation_windows=4", "train.epochs=1"]
+
+
+@pytest.fixture
+def registering():
+    """``registering(name, fn, window)`` registers a user feature for one test."""
+    names = []
+
+    def reg(name, fn, window, meaning=""):
+        register(name, fn, window, meaning)
+        names.append(name)
+
+    yield reg
+    for name in names:
+        unregister(name)
+
+
+def test_default_is_every_builtin_in_the_historical_order():
+    assert DEFAULT_FEATURES == HISTORICAL_ORDER
+    assert load_config().data.features == HISTORICAL_ORDER
+    assert [f.name for f in registered() if f.builtin] == list(HISTORICAL_ORDER)
+    for f in registered():
+        assert 1 <= f.window <= MAX_WINDOW and f.meaning, f.name
+
+
+def test_docs_list_every_builtin_with_its_window_and_meaning():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (.+) \|$", text, flags=re.M)
+    assert rows == [(f.name, str(f.window), f.meaning) for f in registered() if f.builtin]
+
+
+@pytest.mark.parametrize("name", DEFAULT_FEATURES)
+def test_builtin_window_is_the_bars_a_value_reads(name):
+    """NaN before bar window - 1, finite from it on; bars before t - window + 1 do not count."""
+    window = feats.feature(name).window
+    bars = random_bars(200, seed=3)
+    col = instrument_features(bars, [name])[:, 0]
+    assert np.all(np.isnan(col[: window - 1])) and np.all(np.isfinite(col[window - 1:]))
+    t = 150
+    older = random_bars(200, seed=4)
+    mixed = Instrument(bars.name, bars.source, bars.timestamps, **{
+        k: np.concatenate([getattr(older, k)[: t - window + 1], getattr(bars, k)[t - window + 1:]])
+        for k in ("open", "high", "low", "close", "volume")})
+    np.testing.assert_array_equal(instrument_features(mixed, [name])[t:, 0], col[t:])
+
+
+@pytest.mark.parametrize("name", [f.name for f in registered()])
+def test_every_registered_feature_passes_the_no_lookahead_check(name):
+    check_no_lookahead(name)
+
+
+LEAKS = {
+    "next_return": (lambda b: np.append(np.log(b.close[1:] / b.close[:-1]), 0.0), 1),
+    "centered_mean": (lambda b: b.close / np.convolve(b.close, np.ones(5) / 5, "same"), 3),
+    "demeaned": (lambda b: b.close - b.close.mean(), 1),
+    "last_close": (lambda b: b.close / b.close[-1], 1),
+}
+
+
+@pytest.mark.parametrize("leak", sorted(LEAKS))
+def test_the_check_catches_a_leaking_feature(leak, registering):
+    registering(leak, *LEAKS[leak])
+    with pytest.raises(LookAheadError, match=f"feature '{leak}' looks ahead: its value at bar"):
+        check_no_lookahead(leak)
+
+
+def test_the_check_catches_values_missing_after_the_window(registering):
+    registering("late_nan", lambda b: np.where(np.arange(len(b.close)) < 40, np.nan, b.close), 5)
+    with pytest.raises(LookAheadError, match="'late_nan' is not finite at bar 4 "):
+        check_no_lookahead("late_nan")
+
+
+def test_register_refuses_bad_definitions(registering):
+    good = lambda b: b.close  # noqa: E731
+    for args, message in [(("ret_1", good, 2), "already built-in"),
+                          (("vol_*", good, 2), "must be a letter"),
+                          (("x", good, 0), "window must be an integer in 1..65"),
+                          (("x", good, MAX_WINDOW + 1), "window must be"),
+                          (("x", 3.0, 1), "must be callable")]:
+        with pytest.raises(ConfigError, match=message):
+            register(*args)
+    registering("mine", good, 1)
+    with pytest.raises(ConfigError, match="'mine' is already registered"):
+        register("mine", good, 1)
+    with pytest.raises(ConfigError, match="not a registered user feature"):
+        unregister("ret_1")
+    registering("bad_shape", lambda b: b.close[:-1], 1)
+    with pytest.raises(ConfigError, match=r"'bad_shape' returned shape \(199,\) for 200 bars"):
+        instrument_features(random_bars(200), ["ret_1", "bad_shape"])
+
+
+def test_config_resolves_patterns_and_refuses_bad_lists():
+    cfg = load_config(None, ["data.features=[gap, 'ma_gap_*', ret_1]"])
+    assert cfg.data.features == ("gap", "ma_gap_5", "ma_gap_10", "ma_gap_20", "ma_gap_50", "ret_1")
+    assert load_config(None, ["data.features=['*']"]).data.features == DEFAULT_FEATURES
+    for value, message in [("[vol_5, 'vol_*']", "names feature 'vol_5' twice"),
+                           ("[]", "must name at least one feature"),
+                           ("['nothing_*']", "unknown pattern 'nothing_\\*'"),
+                           ("[ret_1, Ret_2]", "unknown feature 'Ret_2' \\(choices: ret_1, ret_2")]:
+        with pytest.raises(ConfigError, match=f"config key 'data.features'.*{message}"):
+            load_config(None, [f"data.features={value}"])
+
+
+def test_cli_unknown_feature_is_one_error_line_exit_2(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", "smoke", "--set", "data.features=[ret_1, nope]",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith("error: config key 'data.features': unknown feature 'nope' (choices: "
+                          + ", ".join(DEFAULT_FEATURES))
+    assert not out.exists()
+
+
+def test_a_chosen_subset_is_the_default_tables_columns(market, tables):
+    names = ("gap", "vol_20", "ret_1")
+    sub = build_tables(market, episode_length=L, features=names)
+    cols = [DEFAULT_FEATURES.index(n) for n in names]
+    assert sub.feature_names == names and sub.num_features == 3
+    np.testing.assert_array_equal(sub.features, tables.features[:, cols])
+    np.testing.assert_array_equal(sub.norm_mean, tables.norm_mean[cols])
+    np.testing.assert_array_equal(sub.norm_std, tables.norm_std[cols])
+    for k in ("close", "sigma", "last_log_return", "instrument"):
+        np.testing.assert_array_equal(getattr(sub, k), getattr(tables, k))
+
+
+def _close_vs_sma_30(bars):
+    return np.log(bars.close / bars.frame()["close"].rolling(30).mean().to_numpy())
+
+
+def test_a_user_feature_is_a_column_of_the_tables(market, registering):
+    registering("close_vs_sma_30", _close_vs_sma_30, 30, "log(C / SMA_30(C)) through pandas")
+    t = build_tables(market, episode_length=L, features=("close_vs_sma_30", "ma_gap_20"))
+    raw = np.concatenate([instrument_features(i, ["close_vs_sma_30"])[WARMUP:, 0]
+                          for i in market.instruments])
+    ins = market.instruments[0]
+    c = np.asarray(ins.close)
+    ref = [math.log(c[k] / c[k - 29: k + 1].mean()) for k in range(WARMUP, len(ins))]
+    np.testing.assert_allclose(raw[: len(ref)], ref, rtol=1e-9, atol=1e-12)
+    rows = np.concatenate([np.arange(a, b + 1) for a, b in t.segments["train"]])
+    np.testing.assert_allclose(t.norm_mean[0], raw[rows].mean(), rtol=1e-6)
+    np.testing.assert_allclose(t.features[:, 0], np.clip((raw - raw[rows].mean())
+                                                         / raw[rows].std(), -10, 10),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_tiny_run_on_a_chosen_list_with_a_user_feature(tmp_path, registering):
+    """F follows data.features through the tables, the network, normalization.json and a
+    policy loaded from the run; the run needs its user feature registered to be loaded."""
+    registering("close_vs_sma_30", _close_vs_sma_30, 30)
+    cfg = load_config("smoke", TINY + ["data.features=[ret_1, 'vol_*', close_vs_sma_30]"])
+    names = ("ret_1", "vol_5", "vol_10", "vol_20", "vol_60", "vol_ratio_5_60",
+             "vol_ratio_20_60", "close_vs_sma_30")
+    assert cfg.data.features == names
+    out = tmp_path / "run"
+    result = api.train(cfg, out, progress=False, log=lambda s: None, final_report=False)
+    assert result.trainer.tables.feature_names == names
+    assert result.trainer.obs_dim == len(names) + trading.PORTFOLIO_DIM
+    first = result.state.agent.params["params"]["trunk_0"]["kernel"]
+    assert first.shape[0] == len(names) + trading.PORTFOLIO_DIM
+    stats = json.loads((out / "normalization.json").read_text())
+    assert stats["feature_names"] == list(names)
+    decisions = Policy.load(out).decide(load_market(["builtin:us_stocks_daily"]))
+    assert len(decisions) == 5
+    unregister("close_vs_sma_30")
+    try:
+        with pytest.raises(ConfigError, match="unknown feature 'close_vs_sma_30'"):
+            Policy.load(out)
+    finally:
+        register("close_vs_sma_30", _close_vs_sma_30, 30)
+
+
+def test_docs_example_of_a_user_feature_runs(monkeypatch):
+    """The python block of docs/features.md, with ``train`` recording its config (the tiny run
+    above trains on such a list)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    seen = []
+    monkeypatch.setattr(foxhunt_jax, "train", lambda cfg, out_dir: seen.append(cfg))
+    try:
+        exec(compile(block, "docs/features.md", "exec"), {})
+        assert seen[0].data.features == ("ret_1", "vol_5", "vol_10", "vol_20", "vol_60",
+                                         "vol_ratio_5_60", "vol_ratio_20_60", "close_vs_sma_30")
+    finally:
+        unregister("close_vs_sma_30")

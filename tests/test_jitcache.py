@@ -21,14 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def exe_dir(tmp_path, monkeypatch):
-    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
-    folder = tmp_path / "executables"
-    monkeypatch.setattr(jitcache, "_executables", folder)
-    return folder
-
-
-@pytest.fixture
 def fresh_xla_cache(tmp_path):
     """An empty JAX persistent cache for this test (XLA compiles every program here; a program
     that the suite's shared cache served would not be stored), the suite's restored after."""
@@ -42,11 +34,19 @@ def fresh_xla_cache(tmp_path):
     cc.reset_cache()
 
 
+@pytest.fixture
+def exe_dir(tmp_path, monkeypatch, fresh_xla_cache):
+    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
+    folder = tmp_path / "executables"
+    monkeypatch.setattr(jitcache, "_executables", folder)
+    return folder
+
+
 def _strip(rec):
     return {k: v for k, v in rec.items() if k != "phase_ms"}
 
 
-def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir, fresh_xla_cache):
+def test_trainer_phases_load_from_the_cache_and_compute_the_same(exe_dir):
     cfg = load_config("smoke")
     runs = []
     for _ in range(2):
@@ -166,19 +166,201 @@ def test_a_temporary_cache_takes_the_compiles_and_gives_the_settings_back(tmp_pa
         assert jitcache._executables == saved_exe
 
 
-def test_a_damaged_entry_is_compiled_again_and_replaced(exe_dir):
-    x, y = jnp.arange(12.0).reshape(4, 3), jnp.ones((3, 2))
+def _entry_args():
+    rng = np.random.default_rng()
+    return (jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+            jnp.asarray(rng.normal(size=(3, 2)), jnp.float32))
+
+
+def test_a_loaded_program_computes_what_a_fresh_compile_does_without_unpickling(
+        exe_dir, monkeypatch):
+    """Donation, a typed PRNG key and a dict result survive the round trip; the load path
+    never unpickles (pickle's loaders fail here)."""
+    import pickle
+
+    f = jax.jit(lambda x, y, k: {"z": jnp.tanh(x) @ y + 1.0, "x": x * 2,
+                                 "k": jax.random.split(k)}, donate_argnums=0)
+    x, y = _entry_args()
+    args = (x, y, jax.random.key(7))
+    fresh, loaded = jitcache.compile_cached(f, args, name="tiny", config={})
+    assert not loaded
+    [entry] = list(exe_dir.iterdir())
+    assert entry.read_bytes().startswith(b"foxhunt-jax executable")
+
+    def refuse(*a, **k):
+        raise AssertionError("the executable cache unpickled something")
+
+    for name in ("loads", "load", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    cached, loaded = jitcache.compile_cached(f, args, name="tiny", config={})
+    assert loaded
+    for _ in range(2):  # fresh inputs, donated each call
+        x, y = _entry_args()
+        want = fresh(jnp.array(x), y, args[2])
+        got = cached(jnp.array(x), y, args[2])
+        np.testing.assert_array_equal(got["z"], want["z"])
+        np.testing.assert_array_equal(got["x"], want["x"])
+        np.testing.assert_array_equal(jax.random.key_data(got["k"]),
+                                      jax.random.key_data(want["k"]))
+    x = jnp.array(args[0])
+    cached(x, args[1], args[2])
+    assert x.is_deleted()  # the donation is kept
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped"])
+def test_a_damaged_entry_is_compiled_again_and_replaced(exe_dir, capfd, damage):
+    x, y = _entry_args()
     c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
     assert not loaded
     [entry] = list(exe_dir.iterdir())
-    entry.write_bytes(b"not a pickle")
-    with pytest.warns(UserWarning, match="could not load"):
-        c2, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    blob = entry.read_bytes()
+    entry.write_bytes({"garbage": b"not an entry", "truncated": blob[:len(blob) // 2],
+                       "flipped": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:]}[damage])
+    capfd.readouterr()
+    c2, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
     assert not loaded
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith("warning: executable cache: could not load") and "BadEntry" in line
     np.testing.assert_array_equal(c(x, y), c2(x, y))
     c3, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
-    assert loaded
+    assert loaded  # replaced by an intact entry
     np.testing.assert_array_equal(c(x, y), c3(x, y))
+
+
+def test_an_entry_of_another_key_is_not_loaded(exe_dir, capfd):
+    x, y = _entry_args()
+    jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={"a": 1})
+    [entry] = list(exe_dir.iterdir())
+    key = jitcache.cache_key("tiny", {"a": 2}, (x, y))
+    entry.rename(jitcache.entry_path("tiny", key))
+    c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={"a": 2})
+    assert not loaded and "entry of another key" in capfd.readouterr().err
+    np.testing.assert_allclose(c(x, y), _tiny()(x, y))
+
+
+def test_entries_and_folders_others_can_write_are_ignored(exe_dir, capfd, tmp_path):
+    x, y = _entry_args()
+    want = _tiny()(x, y)
+    jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    [entry] = list(exe_dir.iterdir())
+    before = entry.read_bytes()
+    capfd.readouterr()
+    # an entry writable by the group, one owned by another user, a symbolic link
+    entry.chmod(0o664)
+    c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    assert not loaded and entry.read_bytes() == before  # left alone, not replaced
+    np.testing.assert_allclose(c(x, y), want)
+    entry.chmod(0o600)
+    foreign = os.geteuid() == 0  # only root can give a file away
+    if foreign:
+        os.chown(entry, 4242, -1)
+        c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+        assert not loaded and entry.read_bytes() == before
+    elsewhere = tmp_path / "elsewhere"
+    entry.rename(elsewhere)
+    entry.symlink_to(elsewhere)
+    c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+    assert not loaded
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2 + foreign and all(
+        ln.startswith("warning: executable cache: ignoring") for ln in lines)
+    assert "group or others" in lines[0] and "plain file" in lines[-1]
+    assert not foreign or "user id 4242" in lines[1]
+    # a group-writable folder: one warning for the process, nothing written into it
+    entry.unlink()
+    exe_dir.chmod(0o775)
+    for _ in range(2):
+        c, loaded = jitcache.compile_cached(_tiny(), (x, y), name="tiny", config={})
+        assert not loaded
+        np.testing.assert_allclose(c(x, y), want)
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith("warning: compilation cache") and "group or others" in line
+    assert not list(exe_dir.iterdir())
+
+
+def test_a_cache_folder_others_can_write_is_not_used(tmp_path, capfd, monkeypatch):
+    updates = {}
+    monkeypatch.setattr(jax.config, "update", lambda k, v: updates.__setitem__(k, v))
+    monkeypatch.setattr(jitcache, "_executables", tmp_path / "was_on")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    assert jitcache.enable_compilation_cache(str(shared)) is None
+    assert updates == {} and jitcache._executables is None  # JAX is not pointed at it
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith("warning: compilation cache") and str(shared) in line
+    # an open folder holding an entry others can write (JAX reads its entries unchecked)
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o755)
+    (open_folder / "jit_f-cache").write_bytes(b"x")
+    (open_folder / "jit_f-cache").chmod(0o666)
+    assert jitcache.enable_compilation_cache(str(open_folder)) is None
+    # a path that is a file
+    (tmp_path / "a_file").write_text("mine")
+    assert jitcache.enable_compilation_cache(str(tmp_path / "a_file")) is None
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2 and "jit_f-cache" in lines[0] and "cannot create" in lines[1]
+    assert updates == {} and (tmp_path / "a_file").read_text() == "mine"
+    fresh = tmp_path / "fresh" / "cache"
+    assert jitcache.enable_compilation_cache(str(fresh)) == str(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700  # created private
+    assert updates["jax_compilation_cache_dir"] == str(fresh)
+
+
+PLANTED = textwrap.dedent('''
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from foxhunt_jax import jitcache
+    jitcache.enable_compilation_cache(sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # JAX stores it too
+    x = jnp.arange(12.0).reshape(4, 3)
+    f = jax.jit(lambda x: (jnp.tanh(x) @ x.T + 1.0, x.sum()))
+    c, loaded = jitcache.compile_cached(f, (x,), name="tiny", config={})
+    key = jitcache.cache_key("tiny", {}, (x,))
+    a, b = c(x)
+    print(json.dumps({"loaded": loaded, "a": np.asarray(a).tolist(), "b": float(b),
+                      "entry": str(jitcache.entry_path("tiny", key))}))
+''')
+
+
+class _Planted:
+    """Unpickling this runs ``touch MARKER``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_runs_nothing_and_the_program_still_computes(tmp_path):
+    """Every file in the cache folder (JAX's entries too) and every name the executable cache
+    reads, old format included, replaced by a pickle that would create a marker file."""
+    import pickle
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cache, marker = tmp_path / "cache", tmp_path / "MARKER"
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", PLANTED, str(cache)], capture_output=True,
+                           text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+    first, _ = run()
+    entry = Path(first["entry"])
+    assert entry.exists()
+    payload = pickle.dumps(_Planted(marker))
+    pickle.loads(payload)  # the payload works: it creates the marker
+    assert marker.exists()
+    marker.unlink()
+    for f in [*cache.rglob("*"), entry.with_suffix(".pkl")]:
+        if not f.is_dir():
+            f.write_bytes(payload)
+    second, err = run()
+    assert not marker.exists()
+    assert not second["loaded"] and "could not load" in err
+    assert (second["a"], second["b"]) == (first["a"], first["b"])
 
 
 def test_programs_served_by_the_xla_cache_are_not_stored(exe_dir):
@@ -202,14 +384,15 @@ def test_least_recently_used_entries_are_evicted(tmp_path):
     import os
     import time
 
+    sfx = jitcache.ENTRY_SUFFIX
     for i, name in enumerate(("a", "b", "c")):
-        f = tmp_path / f"{name}.pkl"
+        f = tmp_path / f"{name}{sfx}"
         f.write_bytes(b"x" * 100)
         os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))  # a oldest, c newest
-    os.utime(tmp_path / "a.pkl")  # a was just loaded
+    os.utime(tmp_path / f"a{sfx}")  # a was just loaded
     gone = jitcache.evict(tmp_path, 200)
-    assert [f.name for f in gone] == ["b.pkl"]
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.pkl", "c.pkl"]
+    assert [f.name for f in gone] == [f"b{sfx}"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f"a{sfx}", f"c{sfx}"]
     assert jitcache.evict(tmp_path, 200) == []
 
 
@@ -254,9 +437,9 @@ def test_a_sharded_program_loads_onto_its_own_device_order(tmp_path):
 
 def test_both_backends_share_the_training_program_and_its_key():
     """The executable cache keys the training program without ``network.backend``
-    (``trainer.program_key_config``): that is sound only while both backends lower it to the
+    (``pipeline.program_key_config``): that is sound only while both backends lower it to the
     same program."""
-    from foxhunt_jax.training.trainer import program_key_config
+    from foxhunt_jax.training.pipeline import program_key_config
 
     texts, keys = {}, {}
     for backend in ("xla", "pallas"):

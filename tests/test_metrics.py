@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from foxhunt_jax.training.metrics import METRIC_KEYS, max_drawdowns, trading_metrics
+from foxhunt_jax.training.metrics import (ACTIVITY_KEYS, METRIC_KEYS, beat_percentile,
+                                          beat_percentiles, max_drawdowns, metric_percentiles,
+                                          portfolio_by_date, portfolio_metrics, trading_metrics)
 
 
 def loop_metrics(equity, exposure, trades, bars_per_year):
@@ -177,3 +179,123 @@ def test_bad_shapes_raise(bad):
     args.update(bad)
     with pytest.raises(ValueError):
         trading_metrics(args["equity"], args["exposure"], args["trades"], args["bpy"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the equal-weight portfolio by date, percentiles and the agent's percentile
+
+
+def loop_portfolio(equity, exposure, traded, bar_dates):
+    """Reference portfolio: a dict from date to the instruments' one-bar returns ending on it,
+    built with Python loops; the curve compounds their plain mean date by date."""
+    by_date = {min(d[0] for d in bar_dates): []}
+    for w, d in enumerate(bar_dates):
+        for j in range(1, len(d)):
+            by_date.setdefault(d[j], [])
+            a, b = float(equity[w][j - 1]), float(equity[w][j])
+            if math.isfinite(a) and math.isfinite(b):
+                by_date[d[j]].append((b / a - 1.0, float(exposure[w][j - 1]),
+                                      float(traded[w][j - 1])))
+    dates = sorted(by_date)
+    curve, held, trades = [1.0], [], []
+    for d in dates[1:]:
+        rows = by_date[d]
+        mean = lambda i: sum(r[i] for r in rows) / len(rows) if rows else 0.0  # noqa: E731
+        curve.append(curve[-1] * (1.0 + mean(0)))
+        held.append(mean(1))
+        trades.append(sum(r[2] for r in rows))
+    return np.array(dates), np.array(curve), np.array(held), np.array(trades)
+
+
+def random_walk_set(rng, w=3, t=25, ruin=True):
+    """``w`` walks of different lengths on dates that start apart and skip days differently;
+    equity ``[w, t+1]`` NaN after each walk ends (one ends early, as a ruined walk does)."""
+    lengths = rng.integers(5, t + 1, w)
+    lengths[0] = t
+    dates = []
+    for i, n in enumerate(lengths):
+        steps = rng.integers(1, 3, n + 1).astype("timedelta64[D]")  # some days are skipped
+        dates.append(np.datetime64("2020-01-01") + int(rng.integers(0, 10))
+                     * np.timedelta64(1, "D") + np.cumsum(steps))
+    equity = np.full((w, t + 1), np.nan)
+    for i, n in enumerate(lengths):
+        equity[i, :n + 1] = np.cumprod(np.r_[1.0, np.exp(rng.normal(0, 0.02, n))])
+    if ruin:
+        equity[w - 1, int(lengths[-1]) // 2 + 1:] = np.nan
+    exposure = rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0], (w, t))
+    traded = rng.integers(0, 2, (w, t)).astype(bool)
+    return equity, exposure, traded, dates
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_portfolio_by_date_matches_loop(seed):
+    rng = np.random.default_rng(seed + 10)
+    equity, exposure, traded, dates = random_walk_set(rng)
+    got = portfolio_by_date(equity, exposure, traded, dates)
+    want_dates, curve, held, trades = loop_portfolio(equity, exposure, traded, dates)
+    np.testing.assert_array_equal(got["dates"], want_dates)
+    np.testing.assert_allclose(got["equity"], curve, rtol=1e-12)
+    np.testing.assert_allclose(got["exposure"], held, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(got["trades"], trades)
+
+
+def test_portfolio_by_date_by_hand():
+    # A marks 1 -> 1.1 -> 1.21 on days 1, 2, 3; B starts on day 2: 1 -> 0.9 on day 3, then
+    # 0.9 -> 0.99 on day 4 (A has ended): day 2 A +10%; day 3 mean(+10%, -10%) = 0; day 4 B +10%
+    d = lambda *days: np.array([np.datetime64("2020-01-01") + k for k in days])  # noqa: E731
+    equity = np.array([[1.0, 1.1, 1.21], [1.0, 0.9, 0.99]])
+    exposure = np.array([[1.0, 1.0], [-1.0, 0.0]])
+    got = portfolio_by_date(equity, exposure, np.ones((2, 2)), [d(0, 1, 2), d(1, 2, 3)])
+    np.testing.assert_array_equal(got["dates"], d(0, 1, 2, 3))
+    np.testing.assert_allclose(got["equity"], [1.0, 1.1, 1.1, 1.21])
+    np.testing.assert_allclose(got["exposure"], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(got["instruments"], [1, 2, 1])
+
+
+def test_portfolio_by_date_leading_axes_are_separate_portfolios():
+    rng = np.random.default_rng(7)
+    sets = [random_walk_set(np.random.default_rng(7)) for _ in range(3)]
+    dates = sets[0][3]
+    eq = np.stack([s[0] * np.exp(rng.normal(0, 0.01, s[0].shape)) for s in sets])
+    x, tr = np.stack([s[1] for s in sets]), np.stack([s[2] for s in sets])
+    got = portfolio_by_date(eq, x, tr, dates)
+    for p in range(3):
+        one = portfolio_by_date(eq[p], x[p], tr[p], dates)
+        np.testing.assert_allclose(got["equity"][p], one["equity"], rtol=1e-12)
+        np.testing.assert_allclose(got["exposure"][p], one["exposure"], rtol=1e-12)
+
+
+def test_portfolio_metrics_are_the_curve_s_with_pooled_activity():
+    rng = np.random.default_rng(8)
+    equity, exposure, traded, dates = random_walk_set(rng)
+    portfolio = portfolio_by_date(equity, exposure, traded, dates)
+    # turnover as the exposure moves, which the loop reference counts
+    moves = np.abs(np.diff(np.nan_to_num(exposure), axis=-1, prepend=0.0))
+    paths = {"equity": equity, "exposure": exposure, "trades": traded, "turnover": moves}
+    got = portfolio_metrics(portfolio, paths, 252.0)
+    curve = loop_metrics(portfolio["equity"][None], portfolio["exposure"][None],
+                         portfolio["trades"][None], 252.0)
+    pooled = loop_metrics(equity, exposure, traded, 252.0)
+    want = {k: pooled[k] if k in ACTIVITY_KEYS else curve[k] for k in METRIC_KEYS}
+    assert_metrics_close(got, want, rtol=1e-9)
+    assert got["total_return"] == pytest.approx(portfolio["equity"][-1] - 1.0, rel=1e-12)
+
+
+def test_percentiles_and_beat_percentile():
+    rng = np.random.default_rng(9)
+    samples = [{"sharpe": float(v), "max_drawdown": float(d), "trades": int(n)}
+               for v, d, n in zip(rng.normal(size=41), rng.uniform(size=41),
+                                  rng.integers(0, 50, 41))]
+    got = metric_percentiles(samples)
+    for key in ("sharpe", "max_drawdown", "trades"):
+        values = sorted(s[key] for s in samples)
+        # with 41 samples the 5th/50th/95th percentiles fall on samples 2, 20 and 38
+        assert [got[q][key] for q in ("p5", "p50", "p95")] == [values[2], values[20], values[38]]
+    # ties count half; a lower drawdown beats a higher one; trades has no better side
+    ties = [{"sharpe": v, "max_drawdown": v, "trades": 1} for v in (0.1, 0.2, 0.2, 0.3)]
+    assert beat_percentile(0.2, ties, "sharpe") == pytest.approx(100 * (1 + 0.5 * 2) / 4)
+    assert beat_percentile(0.2, ties, "max_drawdown") == pytest.approx(100 * (1 + 0.5 * 2) / 4)
+    assert beat_percentile(0.35, ties, "sharpe") == 100.0
+    assert beat_percentile(0.35, ties, "max_drawdown") == 0.0
+    assert beat_percentiles({"sharpe": 0.35, "max_drawdown": 0.05, "trades": 3}, ties) == {
+        "sharpe": 100.0, "max_drawdown": 100.0}

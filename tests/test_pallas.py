@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import secrets
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -19,18 +20,22 @@ import pytest
 
 from foxhunt_jax.agent.learner import epsilon_greedy
 from foxhunt_jax.agent.loss import bootstrap_loss
-from foxhunt_jax.agent.network import (BACKENDS, QNetwork, act, explore_actions, explore_draws,
+from foxhunt_jax import backend as backends
+from foxhunt_jax.agent.network import (QNetwork, act, explore_actions, explore_draws,
                                        greedy_actions, q_forward, select_action, support,
                                        taken_logits)
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from pallas_kernels import q_forward as qf
+from pallas_kernels import tuning
 from pallas_kernels.q_forward import (KernelConfig, chunks, forward_flops, fused_logits,
                                       fused_q_forward, make_plan, pack_params)
 
 D = 40
 BRANCHES = (5, 3, 3)
 Z = support(-10.0, 10.0, 11)
+XLA = backends.make("xla", tuning.for_device())
+PALLAS = backends.make("pallas", tuning.for_device())  # interpret mode off a CUDA GPU
 
 
 @pytest.fixture
@@ -68,7 +73,7 @@ def _kernel(net: QNetwork, layout: str, z_len: int):
 @functools.lru_cache(maxsize=None)
 def _flax(net: QNetwork, z_len: int):
     z = support(-10.0, 10.0, z_len)
-    return jax.jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+    return jax.jit(lambda p, o: q_forward(p, o, net, z, with_q=True))
 
 
 def _np_forward(params, obs, net: QNetwork, z):
@@ -227,7 +232,7 @@ def test_act_kernel_equals_flax_and_float64(rng, layout):
     greedy, taken = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg,
                                                          interpret=True))(params, obs, draws)
     ref_greedy, ref_action, ref_taken = jax.jit(
-        lambda p, o, r: act(p, o, r, net, Z, "xla"))(params, obs, draws)
+        lambda p, o, r: act(p, o, r, net, Z))(params, obs, draws)
     chex.assert_shape([greedy, ref_action], [(45, len(BRANCHES))] * 2)
     chex.assert_type(greedy, jnp.int32)
     _check_actions(greedy, [np.asarray(q) for q in _flax(net, 11)(params, obs)[0]],
@@ -241,7 +246,7 @@ def test_act_kernel_equals_flax_and_float64(rng, layout):
         assert _rel(ref_taken[d], ref[d][np.arange(45), np.asarray(ref_action[:, d])]) < 1e-5
     np.testing.assert_array_equal(ref_action, np.where(np.asarray(draws) >= 0, draws,
                                                         ref_greedy))
-    via_act = jax.jit(lambda p, o, r: act(p, o, r, net, Z, "pallas"))(params, obs, draws)
+    via_act = jax.jit(lambda p, o, r: PALLAS.act(p, o, r, net, Z))(params, obs, draws)
     np.testing.assert_array_equal(via_act[1], np.where(np.asarray(draws) >= 0, draws,
                                                        via_act[0]))
 
@@ -288,8 +293,10 @@ def test_bootstrap_loss_kernel_equals_c51_loss_and_float64(rng, layout, dtype):
         log_q -= np.log(np.exp(log_q).sum(axis=1, keepdims=True))
         ref -= (proj * log_q).sum(axis=1) / nb
     assert _rel(loss, ref) < tol
-    with pytest.raises(ConfigError, match="network.backend"):
-        bootstrap_loss(params, obs, best, taken, returns, discounts, net, Z, "cuda")
+    via_backend = jax.jit(lambda p, o, a, t, r, g: PALLAS.bootstrap_loss(p, o, a, t, r, g, net,
+                                                                          Z))(
+        params, obs, best, taken, returns, discounts)
+    assert _rel(via_backend, via_xla) < tol
 
 
 def test_taken_logits_backends_agree_with_leading_axes(rng):
@@ -297,45 +304,46 @@ def test_taken_logits_backends_agree_with_leading_axes(rng):
     params = _params(rng, net, 13)
     obs = jnp.asarray(rng.standard_normal((2, 9, 13)), jnp.float32)
     actions = jnp.asarray(rng.integers(0, 6, (2, 9, 1)), jnp.int32)
-    fwd = jax.jit(lambda p, o, a, b: taken_logits(p, o, a, net, b), static_argnums=3)
-    x, p = fwd(params, obs, actions, "xla"), fwd(params, obs, actions, "pallas")  # interpreted
+    fwd = jax.jit(lambda p, o, a, b: b.taken_logits(p, o, a, net), static_argnums=3)
+    x, p = fwd(params, obs, actions, XLA), fwd(params, obs, actions, PALLAS)  # interpreted
     chex.assert_shape([x[0], p[0]], [(2, 9, 7)] * 2)
     assert _rel(p[0], x[0]) < 1e-5
     ref = _np_logits(params, obs.reshape(18, 13), net)[0][np.arange(18), np.ravel(actions)]
     assert _rel(p[0], ref.reshape(2, 9, 7)) < 1e-5
-    with pytest.raises(ConfigError, match="network.backend"):
-        taken_logits(params, obs, actions, net, "cuda")
+    assert _rel(taken_logits(params, obs, actions, net)[0], x[0]) == 0
 
 
 @pytest.mark.parametrize("layout", ["grouped", "per_action"])
-def test_logits_kernel_lowers_for_cuda_on_this_cpu(monkeypatch, layout):
+def test_logits_kernel_lowers_for_cuda_on_this_cpu(layout):
     """Pallas -> Triton lowering of the logits outputs (3-D blocks; one action row at a time in
     the per-action layout) at the default network width, no GPU needed."""
-    monkeypatch.setattr(qf, "on_cuda", lambda: True)
     net = _net("bfloat16")
     params = _init_fn(net, D)(jax.random.key(0))
-    cfg = dataclasses.replace(qf.default_config("bfloat16"), layout=layout)
+    gpu = tuning.for_device(SimpleNamespace(platform="gpu", core_count=132))
+    cfg = dataclasses.replace(gpu.q_forward_config("bfloat16"), layout=layout)
     assert cfg.lookahead > 0  # the default reads blocks ahead: that path is lowered here
-    fn = jax.jit(lambda p, o: fused_logits(p, o, net, config=cfg))
+    fn = jax.jit(lambda p, o: fused_logits(p, o, net, config=cfg, interpret=False))
     text = fn.trace(params, jnp.zeros((300, D), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_q_forward" in text
     # each branch's logits of given actions, batched over data-parallel shards (collect_shards
     # vmaps the priorities)
-    sharded = jax.jit(jax.vmap(lambda o, a: fused_logits(params, o, net, actions=a, config=cfg)))
+    sharded = jax.jit(jax.vmap(lambda o, a: fused_logits(params, o, net, actions=a, config=cfg,
+                                                         interpret=False)))
     assert "xla.gpu.triton" in sharded.trace(
         jnp.zeros((2, 300, D), jnp.float32), jnp.zeros((2, 300, len(BRANCHES)), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     # the C51 loss against the target's bootstrap distribution (the initial priorities)
     k, rows = 11, 300
     lossing = jax.jit(lambda p, o, a, t, r, g: qf.fused_bootstrap_loss(p, o, net, Z, a, t, r, g,
-                                                                       config=cfg))
+                                                                       config=cfg,
+                                                                       interpret=False))
     assert "xla.gpu.triton" in lossing.trace(
         params, jnp.zeros((rows, D), jnp.float32), jnp.zeros((rows, len(BRANCHES)), jnp.int32),
         (jnp.zeros((rows, k), jnp.float32),) * len(BRANCHES), jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     # the collection forward: greedy actions and the taken actions' logits
-    acting = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg))
+    acting = jax.jit(lambda p, o, r: qf.fused_act(p, o, net, Z, r, config=cfg, interpret=False))
     assert "xla.gpu.triton" in acting.trace(
         params, jnp.zeros((300, D), jnp.float32), jnp.zeros((300, len(BRANCHES)), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
@@ -438,16 +446,14 @@ def test_q_forward_backends_agree_with_leading_axes(rng):
     z = support(-10.0, 10.0, 7)
     params = _params(rng, net, 13)
     obs = jnp.asarray(rng.standard_normal((2, 9, 13)), jnp.float32)
-    fwd = jax.jit(lambda p, o, b: q_forward(p, o, net, z, b, with_q=True), static_argnums=2)
-    q_x, a_x = fwd(params, obs, "xla")
-    q_p, a_p = fwd(params, obs, "pallas")  # interpret mode off a CUDA GPU
+    fwd = jax.jit(lambda p, o, b: b.q_forward(p, o, net, z, with_q=True), static_argnums=2)
+    q_x, a_x = fwd(params, obs, XLA)
+    q_p, a_p = fwd(params, obs, PALLAS)  # interpret mode off a CUDA GPU
     chex.assert_shape([a_x, a_p, q_p[0]], [(2, 9, 1), (2, 9, 1), (2, 9, 6)])
     assert _rel(q_p[0], q_x[0]) < 1e-5
     np.testing.assert_array_equal(np.asarray(a_p), np.asarray(a_x))
-    assert q_forward(params, obs, net, z, "xla")[0] is None
-    assert BACKENDS == ("xla", "pallas")
-    with pytest.raises(ConfigError, match="network.backend"):
-        q_forward(params, obs, net, z, "cuda")
+    assert q_forward(params, obs, net, z)[0] is None
+    assert PALLAS.q_forward(params, obs, net, z)[0] is None
 
 
 def test_explore_actions_is_epsilon_greedy(rng):
@@ -473,19 +479,6 @@ def test_backend_config_is_validated():
         load_config(None, ["network.backend=triton"])
     with pytest.raises(ConfigError, match="needs network.dtype=bfloat16"):
         load_config(None, ["network.backend=pallas"])  # float32: XLA is faster
-
-
-@pytest.mark.parametrize("platform, dtype, backend, want", [
-    ("cpu", "bfloat16", "auto", "xla"), ("gpu", "bfloat16", "auto", "pallas"),
-    ("gpu", "float32", "auto", "xla"), ("cpu", "bfloat16", "pallas", "pallas"),
-    ("gpu", "bfloat16", "xla", "xla")])
-def test_auto_backend_picks_the_faster_one(monkeypatch, platform, dtype, backend, want):
-    from foxhunt_jax.agent.learner import make_learner, resolve_backend
-
-    monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    cfg = load_config(None, [f"network.dtype={dtype}", f"network.backend={backend}"])
-    assert resolve_backend(cfg.network) == want
-    assert make_learner(cfg, cfg.env.branch_sizes).net_cfg.backend == want
 
 
 def test_forward_flops_counts_the_ten_gemms():

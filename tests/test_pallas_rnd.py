@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -16,14 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from foxhunt_jax import backend as backends
 from foxhunt_jax.agent import curiosity
 from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS
 from foxhunt_jax.config import CuriosityConfig
-from pallas_kernels import q_forward as qf
-from pallas_kernels import rnd
+from pallas_kernels import rnd, tuning
 from test_curiosity import np_raw  # float64 forward of both RND networks
 
 CFG = CuriosityConfig(hidden=128, embed=32, precision="bf16x3")
+BACKENDS = {name: backends.make(name, tuning.for_device()) for name in backends.NAMES}
+PALLAS = BACKENDS["pallas"]  # interpret mode off a CUDA GPU
 
 
 @pytest.fixture
@@ -51,15 +54,15 @@ def test_kernel_equals_float64_and_xla(rng, dim, hidden, embed):
     state = _state(rng, dim, cfg)
     n = F32_PRECISION_MIN_ROWS + int(rng.integers(0, 300))  # not a multiple of the block rows
     obs = jnp.asarray(2.0 * rng.standard_normal((n, dim)), jnp.float32)
-    got = curiosity.prediction_error(state, obs, "pallas")
+    got = PALLAS.novelty(state, obs)
     chex.assert_shape(got, (n,))
     chex.assert_type(got, jnp.float32)
-    assert curiosity.uses_kernel(cfg, n, "pallas")
+    assert _runs_kernel(PALLAS, state, n)
     ref = np_raw(state, np.asarray(obs))
     # three bf16 products keep ~16 mantissa bits of each operand: ~1e-5 of the embeddings
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2e-4,
                                atol=1e-5 * float(np.max(ref)))
-    xla = np.asarray(curiosity.prediction_error(state, obs, "xla"), np.float64)
+    xla = np.asarray(curiosity.prediction_error(state, obs), np.float64)
     assert np.max(np.abs(np.asarray(got) - xla)) / np.max(np.abs(xla)) < 1e-4
 
 
@@ -98,37 +101,47 @@ def test_the_xla_split_has_the_same_bits_and_no_float_round_trip(rng):
 def test_the_kernel_runs_only_where_it_computes_what_xla_would(backend, precision, rows, hidden,
                                                                want):
     cfg = dataclasses.replace(CFG, precision=precision, hidden=hidden)
-    assert curiosity.uses_kernel(cfg, rows, backend) is want
+    state = curiosity.init(jax.random.key(0), 12, cfg)
+    assert _runs_kernel(BACKENDS[backend], state, rows) is want
+
+
+def _runs_kernel(backend, state, rows: int) -> bool:
+    """Whether ``backend.novelty`` of ``rows`` observations launches a Pallas kernel."""
+    obs = jax.ShapeDtypeStruct((rows, state.target_params["params"]["hidden_0"]["kernel"].shape[0]),
+                               jnp.float32)
+    return "pallas_call" in str(jax.make_jaxpr(lambda o: backend.novelty(state, o))(obs))
 
 
 def test_small_batches_stay_on_xla_in_true_f32(rng):
     """Below the bound the pallas backend gives XLA's own (true f32) numbers, bit for bit."""
     state = _state(rng, 12)
     obs = jnp.asarray(rng.standard_normal((100, 12)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(curiosity.prediction_error(state, obs, "pallas")),
-                                  np.asarray(curiosity.prediction_error(state, obs, "xla")))
+    np.testing.assert_array_equal(np.asarray(PALLAS.novelty(state, obs)),
+                                  np.asarray(curiosity.prediction_error(state, obs)))
 
 
 def test_kernel_under_vmap_equals_xla(rng):
     """The collector vmaps the pass over data-parallel shards (``collect_shards``)."""
     state = _state(rng, 11)
     obs = jnp.asarray(rng.standard_normal((2, F32_PRECISION_MIN_ROWS, 11)), jnp.float32)
-    got = jax.vmap(lambda o: curiosity.prediction_error(state, o, "pallas"))(obs)
+    got = jax.vmap(lambda o: PALLAS.novelty(state, o))(obs)
     chex.assert_shape(got, (2, F32_PRECISION_MIN_ROWS))
-    want = jax.vmap(lambda o: curiosity.prediction_error(state, o, "xla"))(obs)
+    want = jax.vmap(lambda o: curiosity.prediction_error(state, o))(obs)
     assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-4
 
 
-def test_kernel_lowers_for_cuda_on_this_cpu(monkeypatch):
+def test_kernel_lowers_for_cuda_on_this_cpu():
     """Pallas -> Triton lowering at the default widths, alone and batched over shards, no GPU
-    needed."""
-    monkeypatch.setattr(qf, "on_cuda", lambda: True)
+    needed (the backend of a CUDA device, as :func:`pallas_kernels.tuning.for_device` reads
+    it)."""
+    gpu = backends.make("pallas", tuning.for_device(SimpleNamespace(platform="gpu",
+                                                                    core_count=132)))
     state = curiosity.init(jax.random.key(0), 40, CFG)
-    fn = jax.jit(lambda s, o: curiosity.prediction_error(s, o, "pallas"))
+    fn = jax.jit(lambda s, o: gpu.novelty(s, o))
     text = fn.trace(state, jnp.zeros((2048, 40), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "rnd_prediction_error" in text
-    sharded = jax.jit(jax.vmap(lambda o: curiosity.prediction_error(state, o, "pallas")))
+    sharded = jax.jit(jax.vmap(lambda o: gpu.novelty(state, o)))
     assert "xla.gpu.triton" in sharded.trace(jnp.zeros((2, 2048, 40), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
 

@@ -230,9 +230,10 @@ def test_collect_shards_equals_per_shard_collect_with_pooled_rnd_statistics(back
         """Sharded collection, and plain collection of each shard with its fold_in key."""
         agent = init_agent(jax.random.PRNGKey(0), learner, tr.obs_dim)
         rollouts = start_shards(TRADING_ADAPTER, params, key, s, 16)
-        out = collect_shards(learner, TRADING_ADAPTER, params, agent, rollouts, key, eps, steps)
+        out = collect_shards(learner, tr.backend, TRADING_ADAPTER, params, agent, rollouts, key,
+                             eps, steps)
         keys = parallel.shard_keys(key, s)
-        per_shard = jax.vmap(lambda k: collect(learner, TRADING_ADAPTER, params, agent,
+        per_shard = jax.vmap(lambda k: collect(learner, tr.backend, TRADING_ADAPTER, params, agent,
                                                start(TRADING_ADAPTER, params, k, 8), k, eps,
                                                steps))(keys)
         return out, per_shard
@@ -286,7 +287,7 @@ DEVICE_SCRIPT = textwrap.dedent('''
     result["local_shards"] = [s.data.shape[0] for s in state.buffer.priorities.addressable_shards]
     result["params_replicated"] = all(x.sharding.is_fully_replicated
                                       for x in jax.tree.leaves(state.agent.params))
-    hlo = tr._phases["training"].as_text()
+    hlo = tr.pipeline.programs["training"].as_text()
     result["all_reduce"], result["all_gather"] = "all-reduce" in hlo, "all-gather" in hlo
     # collection runs inside shard_map: each device over its own shards (Pallas kernels are
     # opaque to XLA's partitioner, which would otherwise run them over every shard everywhere)
@@ -302,9 +303,14 @@ DEVICE_SCRIPT = textwrap.dedent('''
     state2, rec = tr2.run_epoch(state2)
     result["two"] = [strip(rec)]
     try:
-        Trainer.build(load_config("smoke", overrides + ["train.shards=4"]))
+        Trainer.build(load_config("smoke", overrides + ["train.shards=4"]), devices=devs)
     except ConfigError as e:
         result["error"] = str(e)
+    # the default devices: train.shards=1 (a config's default) starts on one of the 8 and says so
+    from foxhunt_jax import parallel
+    single = Trainer.build(load_config("smoke", overrides + ["train.shards=1"]))
+    result["default_devices"] = int(single.mesh.devices.size)
+    result["note"] = parallel.unused_devices_note(single.mesh, 1)
     print("RESULT " + json.dumps(result))
 ''')
 
@@ -342,3 +348,5 @@ def test_same_result_on_1_2_and_8_devices_and_restore_on_another_count(tmp_path)
     assert res["params_replicated"] and res["all_reduce"] and not res["all_gather"]
     assert res["collect_per_device"]
     assert "train.shards" in res["error"] and "device count 8" in res["error"]
+    assert res["default_devices"] == 1
+    assert "1 of this host's 8 devices" in res["note"] and "multiple of 8" in res["note"]

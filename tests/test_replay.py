@@ -17,6 +17,9 @@ import pytest
 from foxhunt_jax.agent import replay
 from foxhunt_jax.bench.replay import compare as compare_replay
 from foxhunt_jax.errors import ConfigError
+from pallas_kernels.tuning import ReplaySearch
+
+GPU_COUNT_MAX = 1 << 24  # the tuning table's compare-and-count bound on a GPU
 
 ALPHA, EPS = 0.6, 1e-6
 CAP, FILLED = 64, 50  # sampling tests share one buffer shape, so _many_samples compiles once
@@ -145,10 +148,10 @@ def test_ring_wraparound_matches_numpy(seed):
 
 
 @pytest.mark.parametrize("whole_blocks_max", [0, 1 << 40])
-def test_locate_matches_float64_inverse_cdf(monkeypatch, whole_blocks_max):
+def test_locate_matches_float64_inverse_cdf(whole_blocks_max):
     """Two-level search vs exact float64 inverse CDF of both levels at C = 2^16, with the slot
     inside a block found in sub-blocks (max 0) and in one pass over the block (max 2^40)."""
-    monkeypatch.setattr(replay, "_WHOLE_BLOCKS_MAX", whole_blocks_max)
+    search = ReplaySearch(whole_blocks_max=whole_blocks_max)
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     cap = 1 << 16
     q = (rng.gamma(0.5, 1.0, cap) ** ALPHA).astype(np.float32)
@@ -166,14 +169,15 @@ def test_locate_matches_float64_inverse_cdf(monkeypatch, whole_blocks_max):
     b = np.minimum(np.searchsorted(cum, u.astype(np.float64), side="right"), len(cum) - 1)
     local = np.cumsum(blocks[b], axis=1)
     ref = b * s + np.sum(local <= (v * local[:, -1])[:, None], axis=1)
-    got = np.asarray(jax.jit(replay.locate)(jnp.asarray(q), jnp.asarray(u), jnp.asarray(v)))
+    got = np.asarray(jax.jit(replay.locate, static_argnums=3)(jnp.asarray(q), jnp.asarray(u),
+                                                              jnp.asarray(v), search))
     chex.assert_shape(got, (m,))
     assert got.dtype == np.int32
     assert np.all(q[got] > 0)  # never an empty slot
     assert np.mean(got != ref) < 1e-4
 
 
-@pytest.mark.parametrize("count_max", [0, replay._COUNT_MAX])
+@pytest.mark.parametrize("count_max", [0, GPU_COUNT_MAX])
 def test_block_search_equals_searchsorted(count_max):
     """Both forms of the block search (binary search; compare-and-count) give NumPy's
     searchsorted(side="right") exactly, ties, empty blocks and boundary points included."""
@@ -188,6 +192,19 @@ def test_block_search_equals_searchsorted(count_max):
         jnp.asarray(cum), jnp.asarray(u), count_max))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.searchsorted(cum, u, side="right"))
+
+
+def test_sample_draws_the_same_items_with_either_block_search():
+    """The search shape (the device's tuning) changes how a sample searches, not what it
+    draws."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    state = replay.init({"x": jnp.zeros((), jnp.float32)}, 1 << 12)
+    state = replay.add(state, {"x": jnp.arange(1 << 12, dtype=jnp.float32)},
+                       jnp.asarray(rng.gamma(0.5, 1.0, 1 << 12), jnp.float32), 0.6)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    draws = [jax.jit(replay.sample, static_argnums=(2, 4))(state, key, 64, 0.5, c)
+             for c in (ReplaySearch(), ReplaySearch(count_max=GPU_COUNT_MAX, whole_blocks_max=0))]
+    chex.assert_trees_all_equal(draws[0], draws[1])
 
 
 def test_sampling_frequencies_and_weights_match_priorities():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.errors import DataError
-from foxhunt_jax.training import report
+from foxhunt_jax.training import report, validate
+from foxhunt_jax.training.metrics import evaluation_results
 from foxhunt_jax.training.rundir import RunWriter, flatten, read_metrics, to_jsonable
 
 
@@ -180,36 +181,87 @@ def ref_drawdown(path):
     return np.array(out)
 
 
-def synthetic_curves(rng, t, rows=None):
-    shape = (t,) if rows is None else (rows, t)
-    def walk(mu):
-        r = rng.normal(mu, 0.01, shape)
-        r[..., 0] = 0.0
-        return np.exp(np.cumsum(r, axis=-1))
-    return {"agent": walk(0.001), "buy_and_hold": walk(0.0003), "random": walk(-0.0004)}
+def synthetic_evaluation(rng, policies=40, steps=60):
+    """An evaluation (metrics.evaluation_results) of made-up walks: three instruments whose
+    dates start apart and whose lengths differ, an agent, buy-and-hold, flat and ``policies``
+    random policies."""
+    lengths = np.array([steps, steps - 17, steps - 30])
+    dates = [np.datetime64("2021-01-04") + np.arange(5 * w, 5 * w + n + 1).astype("timedelta64[D]")
+             for w, n in enumerate(lengths)]
+
+    def walks(mu, lead=()):
+        r = rng.normal(mu, 0.01, lead + (3, steps))
+        eq = np.concatenate([np.ones(lead + (3, 1)), np.exp(np.cumsum(r, axis=-1))], axis=-1)
+        eq[..., np.arange(steps + 1)[None, :] > lengths[:, None]] = np.nan
+        x = rng.choice([-1.0, 0.0, 0.5, 1.0], lead + (3, steps))
+        fills = rng.integers(0, 3, lead + (3, steps))
+        return {"equity": eq, "exposure": x, "traded": fills > 0, "trades": fills,
+                "turnover": fills * rng.random(lead + (3, steps))}
+
+    paths = {"agent": walks(0.001), "buy_and_hold": walks(0.0003),
+             "flat": validate.flat_paths(lengths)}
+    return evaluation_results(paths, walks(-0.0004, (policies,)), dates, ["x", "y", "z"], 252.0)
 
 
-def test_equity_figure_draws_the_inputs(tmp_path):
-    rng = np.random.default_rng(3)
-    curves = synthetic_curves(rng, 120, rows=4)
-    curves["agent"][1, 100:] = np.nan  # one instrument ends early
-    fig = report.equity_figure(curves, "test split")
-    ax, ax_dd = fig.axes[:2]
-    lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
-    assert len(lines) == 3
-    for name, arr in curves.items():
-        mean = np.array([np.mean(col[np.isfinite(col)]) for col in arr.T])  # loop nanmean
-        label = next(lb for lb in lines if lb.startswith(report.POLICY_STYLE[name]["label"]))
-        np.testing.assert_allclose(lines[label].get_ydata(), mean)
-        ret = f"{mean[-1] / mean[0] - 1:+.1%}"
-        dd = f"{-np.nanmin(ref_drawdown(mean)):.1%}"
-        assert f"return {ret}" in label and f"max drawdown {dd}" in label
-    dd_lines = ax_dd.get_lines()
-    np.testing.assert_allclose(dd_lines[0].get_ydata(),
-                               ref_drawdown(np.nanmean(curves["agent"], axis=0)))
-    assert ax.get_title() == "test split" and ax_dd.get_xlabel() == "bar"
-    with pytest.raises(ValueError, match="5 timestamps for 120 points"):
-        report.equity_figure(curves, "x", timestamps=np.arange(5))
+def table_cells(text: str) -> dict:
+    """metric -> column -> cell of a metrics_table text."""
+    lines = text.splitlines()
+    top = next(i for i, ln in enumerate(lines) if ln.startswith("metric "))
+    header = lines[top].split()[1:]
+    return {ln.split()[0]: dict(zip(header, ln.split()[1:])) for ln in lines[top + 2:]}
+
+
+def test_equity_figure_legends_state_the_table_s_numbers(tmp_path):
+    evaluation = synthetic_evaluation(np.random.default_rng(3))
+    report.write_report(tmp_path, {"test": evaluation["metrics"]}, {"test": evaluation}, [])
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())["test"]
+    cells = table_cells(report.evaluation_table(summary))
+    fig = report.equity_figure(evaluation, "test split")
+    ax, ax_dd, ax_x = fig.axes
+    legends = [t.get_text() for t in ax.get_legend().get_texts()]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    dates = evaluation["dates"]
+    for name in ("agent", "buy_and_hold", "flat"):
+        label = next(lb for lb in legends if lb.startswith(report.POLICY_STYLE[name]["label"]))
+        for key, word in (("total_return", "return"), ("max_drawdown", "max drawdown"),
+                          ("sharpe", "Sharpe")):
+            assert f"{word} {cells[key][name]}" in label, (name, key, label)
+        # the line drawn is the curve of those numbers, on the portfolio's dates
+        y = lines[label].get_ydata()
+        np.testing.assert_array_equal(lines[label].get_xdata(), dates)
+        assert y[-1] - 1.0 == pytest.approx(summary[name]["total_return"], rel=1e-12, abs=1e-15)
+        assert -np.min(ref_drawdown(y)) == pytest.approx(summary[name]["max_drawdown"], abs=1e-12)
+    band = next(lb for lb in legends if "5-95% band" in lb)
+    assert ("x40" in band and f"return {cells['total_return']['random_p5']} to "
+            f"{cells['total_return']['random_p95']}" in band)
+    # the band drawn ends at the table's 5th and 95th percentile of total return
+    verts = ax.collections[0].get_paths()[0].vertices
+    at_end = verts[np.isclose(verts[:, 0], verts[:, 0].max()), 1]
+    for q in ("p5", "p95"):
+        assert np.min(np.abs(at_end - 1.0 - summary["random"][q]["total_return"])) < 1e-12
+    median = next(lb for lb in legends if "median" in lb)
+    assert f"return {cells['total_return']['random_p50']}" in median
+    # the flat row of the table, and the agent's exposure over the dates it is held
+    assert cells["total_return"]["flat"] == "+0.00%" and cells["trades"]["flat"] == "0"
+    step = ax_x.get_lines()[0]
+    np.testing.assert_array_equal(step.get_xdata(), dates[:-1])
+    np.testing.assert_allclose(step.get_ydata(), evaluation["exposure"]["agent"])
+    assert ax.get_title() == "test split" and ax_x.get_xlabel() == "date"
+    bad = dict(evaluation, curves=dict(evaluation["curves"], agent=np.ones(5)))
+    with pytest.raises(ValueError, match=f"curve 'agent' has 5 points for {len(dates)} dates"):
+        report.equity_figure(bad, "x")
+
+
+def test_evaluation_table_columns():
+    evaluation = synthetic_evaluation(np.random.default_rng(12))
+    metrics = evaluation["metrics"]
+    text = report.evaluation_table(metrics, title="test split")
+    assert text.splitlines()[1].split() == ["metric", "agent", "buy_and_hold", "flat",
+                                            "random_p5", "random_p50", "random_p95", "agent_pct"]
+    cells = table_cells(text)
+    assert cells["sharpe"]["random_p50"] == f"{metrics['random']['p50']['sharpe']:+.2f}"
+    assert cells["sharpe"]["agent_pct"] == f"{metrics['agent_percentile']['sharpe']:.1f}"
+    assert cells["turnover"]["agent_pct"] == "-"  # no better side
 
 
 def test_training_and_phase_figures_show_the_records():
@@ -259,18 +311,15 @@ def test_write_report_files(tmp_path):
     with RunWriter(tmp_path) as w:
         for e in range(1, 6):
             w.log(make_record(e, rng))
-    t = 200
-    ts = np.datetime64("2021-01-04") + np.arange(t).astype("timedelta64[D]")
-    curves = {"validation": dict(synthetic_curves(rng, t), timestamps=ts),
-              "test": synthetic_curves(rng, t, rows=3)}
+    evaluations = {split: synthetic_evaluation(rng) for split in ("validation", "test")}
     summary = {"test": {"agent": {"sharpe": np.float32(1.25), "trades": np.int64(7)}},
                "bars_per_year": 252.0, "loss": float("nan")}
-    written = report.write_report(tmp_path, summary, curves)
+    written = report.write_report(tmp_path, summary, evaluations)
     names = sorted(p.name for p in written)
     assert names == ["equity_test.png", "equity_validation.png", "phases.png", "summary.json",
                      "training.png"]
     assert json.loads((tmp_path / "report" / "summary.json").read_text()) == to_jsonable(summary)
-    sizes = {"equity_test.png": (780, 1200), "equity_validation.png": (780, 1200),
+    sizes = {"equity_test.png": (960, 1200), "equity_validation.png": (960, 1200),
              "training.png": (900, 1320), "phases.png": (600, 1440)}
     for name, hw in sizes.items():
         img = matplotlib.image.imread(tmp_path / "report" / name)

@@ -1,14 +1,15 @@
 """The fused rollout kernel (pallas_kernels/rollout.py) against the lax.scan it replaces.
 
 Collection (epsilon-greedy, auto-reset) and greedy evaluation (per-episode lengths, ruin) run
-once through the scan of jnp functions (``backend=xla``) and once through the kernel in Pallas'
-interpret mode (``backend=pallas``), from the same keys: actions, bars and flags must be equal,
-money and observations equal to float32 rounding. A last test lowers both kernel modes for a
+once through the scan of jnp functions (the ``xla`` backend) and once through the kernel in
+Pallas' interpret mode (the ``pallas`` backend), from the same keys: actions, bars and flags
+must be equal, money and observations equal to float32 rounding. A last test lowers both kernel modes for a
 CUDA GPU on this CPU, which runs the whole Pallas-to-Triton lowering (every primitive the kernel
 uses must have a Triton rule) without a GPU.
 """
 
 import dataclasses
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from foxhunt_jax import backend as backends
 from foxhunt_jax.agent.learner import init_agent, make_learner
 from foxhunt_jax.config import load_config
 from foxhunt_jax.data.features import build_tables
@@ -24,15 +26,18 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.training import collect, validate
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
 from pallas_kernels import q_forward as qf
-from pallas_kernels.rollout import fused_rollout
+from pallas_kernels import tuning
+from pallas_kernels.rollout import fused_rollout, launch_spans
 
 # float32 GEMMs: in bfloat16 the kernel and XLA sum each product in a different order, and a
 # last-bit difference that flips the bf16 rounding of one activation can flip a near-tied greedy
 # action (then the paths part). In float32 both compute the same values to ~1e-7, so the
 # trajectories must be equal; bfloat16 equality is checked on the GPU by the bench
-# (rollout_equality: 1024 x 100 steps, every action equal on an H200).
+# (rollout_equality).
 SMALL = ["network.trunk=[32]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
          "curiosity.embed=4"]
+# the config only offers pallas with bfloat16 (speed); the kernel itself takes float32
+BACKENDS = {name: backends.make(name, tuning.for_device()) for name in backends.NAMES}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +48,7 @@ def tables():
 def _setup(tables, backend, overrides=(), split="train"):
     cfg = load_config("smoke", SMALL + ["network.backend=xla"] + list(overrides))
     params = trading.make_params(tables, cfg.env, split)
-    learner = make_learner(cfg, cfg.env.branch_sizes)
-    # the config only offers pallas with bfloat16 (speed); the kernel itself takes float32
-    net_cfg = dataclasses.replace(learner.net_cfg, backend=backend)
-    return cfg, params, dataclasses.replace(learner, net_cfg=net_cfg)
+    return cfg, params, make_learner(cfg, cfg.env.branch_sizes)
 
 
 def _agent(learner, params, seed):
@@ -79,9 +81,11 @@ def _assert_same_trajectory(got, ref):
 
 
 @pytest.mark.parametrize("overrides, n, eps", [
-    ([], 24, 0.3),  # 3 branches; 24 rows pad to two blocks of 16
-    (["env.take_profit=[]", "env.stop_loss=[]", "env.cost_bps=10"], 16, 0.0),  # one branch
-    (["env.stop_loss=[]", "env.time_barrier=2", "env.ruin_floor=0.97"], 20, 0.5),
+    ([], 24, 0.3),  # 3 branches; 24 rows pad to two blocks of 16; fills at the next open
+    (["env.take_profit=[]", "env.stop_loss=[]", "env.cost_bps=10", "env.fill=close"], 16,
+     0.0),  # one branch
+    (["env.stop_loss=[]", "env.time_barrier=2", "env.ruin_floor=0.97", "env.fill=close",
+      "env.slippage_bps=5"], 20, 0.5),
 ])
 def test_fused_collection_equals_scan(tables, overrides, n, eps):
     seed = int(np.random.default_rng().integers(1 << 30))
@@ -92,8 +96,9 @@ def test_fused_collection_equals_scan(tables, overrides, n, eps):
         cfg, params, learner = _setup(tables, backend, over)
         agent = _agent(learner, params, seed)
         rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
-        out[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent: collect.trajectory(
-            _l, TRADING_ADAPTER, _p, _a.params, r, k, jnp.float32(eps), steps))(rollout, key)
+        out[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent, _b=BACKENDS[backend]:
+                               collect.trajectory(_l, _b, TRADING_ADAPTER, _p, _a.params, r, k,
+                                                  jnp.float32(eps), steps))(rollout, key)
     (r_xla, t_xla), (r_pal, t_pal) = out["xla"], out["pallas"]
     chex.assert_shape(t_pal["action"], (steps, n, len(cfg.env.branch_sizes)))
     chex.assert_type(t_pal["action"], jnp.int32)
@@ -104,20 +109,18 @@ def test_fused_collection_equals_scan(tables, overrides, n, eps):
                                 jax.tree.map(lambda x: x[same], r_xla), rtol=2e-5, atol=2e-6)
 
 
-def test_loop_form_is_chosen_by_episode_count(tables, monkeypatch):
-    """Up to MAX_KERNEL_EPISODES the Pallas backend runs the rollout kernel; above it, the scan
-    with the fused Q-forward per step, which gives the same trajectory."""
-    from foxhunt_jax.training import fused
-
+def test_loop_form_is_chosen_by_episode_count(tables):
+    """Up to ``tuning.rollout_max_episodes`` the Pallas backend runs the rollout kernel; above
+    it, the scan with the fused Q-forward per step, which gives the same trajectory."""
     _, params, learner = _setup(tables, "pallas", ["env.episode_length=5"])
-    _, _, xla = _setup(tables, "xla")
-    limit = fused.MAX_KERNEL_EPISODES
-    assert fused.use_rollout_kernel(learner, limit)
-    assert not fused.use_rollout_kernel(learner, limit + 1)
-    assert not fused.use_rollout_kernel(xla, 16)
-    monkeypatch.setattr(fused, "MAX_KERNEL_EPISODES", 16)
+    pallas, xla = BACKENDS["pallas"], BACKENDS["xla"]
+    limit = pallas.tuning.rollout_max_episodes
+    assert pallas.runs_rollout_kernel(limit)
+    assert not pallas.runs_rollout_kernel(limit + 1)
+    assert not xla.runs_rollout_kernel(16)
+    pallas = backends.make("pallas", dataclasses.replace(pallas.tuning, rollout_max_episodes=16))
     kernel_calls = []
-    real = fused.collect_trajectory
+    real = TRADING_ADAPTER.fused
     adapter = dataclasses.replace(TRADING_ADAPTER, fused=lambda *a: kernel_calls.append(1)
                                   or real(*a))
     seed = int(np.random.default_rng().integers(1 << 30))
@@ -126,9 +129,10 @@ def test_loop_form_is_chosen_by_episode_count(tables, monkeypatch):
     out = {}
     for n in (16, 24):
         rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
-        for name, lr in (("pallas", learner), ("xla", xla)):
-            out[name, n] = jax.jit(lambda r, k, _l=lr: collect.trajectory(
-                _l, adapter, params, agent.params, r, k, jnp.float32(0.3), 8))(rollout, key)[1]
+        for name, be in (("pallas", pallas), ("xla", xla)):
+            out[name, n] = jax.jit(lambda r, k, _b=be: collect.trajectory(
+                learner, _b, adapter, params, agent.params, r, k, jnp.float32(0.3), 8))(
+                    rollout, key)[1]
     assert len(kernel_calls) == 1  # traced once: N = 16 (the kernel); N = 24 took the scan
     for n in (16, 24):
         _assert_same_trajectory(out["pallas", n], out["xla", n])
@@ -143,8 +147,9 @@ def test_fused_collection_feeds_the_whole_experience_phase(tables):
         _, params, learner = _setup(tables, backend, ["env.episode_length=4"])
         agent = _agent(learner, params, 3)
         rollout = collect.start(TRADING_ADAPTER, params, key, n)
-        res[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent: collect.collect(
-            _l, TRADING_ADAPTER, _p, _a, r, k, jnp.float32(0.2), steps))(rollout, key)
+        res[backend] = jax.jit(lambda r, k, _l=learner, _p=params, _a=agent, _b=BACKENDS[backend]:
+                               collect.collect(_l, _b, TRADING_ADAPTER, _p, _a, r, k,
+                                               jnp.float32(0.2), steps))(rollout, key)
     _, items, prio, rnd, stats = res["pallas"]
     _, items_x, prio_x, rnd_x, stats_x = res["xla"]
     chex.assert_trees_all_close(items, items_x, rtol=1e-4, atol=1e-5)
@@ -152,7 +157,8 @@ def test_fused_collection_feeds_the_whole_experience_phase(tables):
                                 atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [[], ["env.ruin_floor=0.985", "env.cost_bps=20"]])
+@pytest.mark.parametrize("overrides", [
+    ["env.slippage_bps=2"], ["env.ruin_floor=0.985", "env.cost_bps=20", "env.fill=close"]])
 def test_fused_evaluation_equals_scan(tables, overrides):
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
@@ -165,15 +171,16 @@ def test_fused_evaluation_equals_scan(tables, overrides):
         lengths = jnp.asarray(rng.integers(1, steps + 1, size=starts.shape[0]), jnp.int32) \
             if backend == "xla" else got["lengths"]
         got["lengths"] = lengths
-        got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params: validate.greedy_rollout(
-            _l, p, _e, s, steps, jax.random.key(0), le))(agent.params, starts, lengths)
+        got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params, _b=BACKENDS[backend]:
+                               validate.greedy_rollout(_l, _b, p, _e, s, steps, jax.random.key(0),
+                                                       le))(agent.params, starts, lengths)
     ref, out = got["xla"], got["pallas"]
     assert set(out) == set(ref)
     same = _agreeing(out["action"], ref["action"])
     pick = lambda x: np.asarray(x)[:, same]  # noqa: E731
-    for k in ("bar", "next_bar", "terminated", "truncated", "traded", "alive"):
+    for k in ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive"):
         np.testing.assert_array_equal(pick(out[k]), pick(ref[k]), err_msg=k)
-    for k in ("portfolio", "next_portfolio", "reward", "equity", "exposure"):
+    for k in ("portfolio", "next_portfolio", "reward", "equity", "exposure", "turnover"):
         np.testing.assert_allclose(pick(out[k]), pick(ref[k]), rtol=2e-5, atol=2e-6, err_msg=k)
     assert not bool(jnp.all(ref["alive"]))  # some windows ended early (length or ruin)
 
@@ -199,7 +206,7 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
     chex.assert_trees_all_equal(runs[1], runs[0])
 
 
-def test_validation_loss_backends_agree(tables, monkeypatch):
+def test_validation_loss_backends_agree(tables):
     """The validation loss runs its forwards through the fused kernels (interpret mode here)
     under the Pallas backend: the same loss as the Flax forwards. Where this agent's
     expected Q sit near v_max, two actions' values can tie to ~1e-6, and the two backends
@@ -207,21 +214,22 @@ def test_validation_loss_backends_agree(tables, monkeypatch):
     another action; so the losses are equal to 1e-5 given the same greedy actions at s', and
     to 2e-3 with each backend's own."""
     seed = int(np.random.default_rng().integers(1 << 30))
+    # the pallas backend's kernels with the Flax forward for the greedy actions at s'
+    # (collect.greedy_after)
+    flax_greedy = dataclasses.replace(BACKENDS["pallas"], q_forward=BACKENDS["xla"].q_forward)
     loss = {}
-    for backend in ("xla", "pallas", "pallas, Flax greedy at s'"):
+    for backend, be in (("xla", BACKENDS["xla"]), ("pallas", BACKENDS["pallas"]),
+                        ("pallas, Flax greedy at s'", flax_greedy)):
         _, params, learner = _setup(tables, backend.split(",")[0], split="validation")
         agent = _agent(learner, params, seed)
         starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 12))
-        traj = jax.jit(lambda p, s, _l=learner, _e=params: validate.greedy_rollout(
-            _l, p, _e, s, 6, jax.random.key(0)))(agent.params, starts)
+        traj = jax.jit(lambda p, s, _l=learner, _e=params, _b=be: validate.greedy_rollout(
+            _l, _b, p, _e, s, 6, jax.random.key(0)))(agent.params, starts)
         if backend == "xla":
             ref_traj = traj  # every loss on one trajectory, so only the forwards differ
-        if "Flax" in backend:
-            q_forward = collect.q_forward  # the loss's forward at s' (collect.greedy_after)
-            monkeypatch.setattr(collect, "q_forward",
-                                lambda p, o, n, z, b: q_forward(p, o, n, z, "xla"))
-        loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params: validate.validation_loss(
-            _l, a.params, a.target_params, _e, t))(agent, ref_traj)
+        loss[backend] = jax.jit(lambda a, t, _l=learner, _e=params, _b=be:
+                                validate.validation_loss(_l, _b, a.params, a.target_params, _e,
+                                                         t))(agent, ref_traj)
     chex.assert_shape(loss["pallas"], ())
     np.testing.assert_allclose(float(loss["pallas, Flax greedy at s'"]), float(loss["xla"]),
                                rtol=1e-5)
@@ -239,9 +247,10 @@ def test_rollout_arguments_are_checked(tables):
         fused_rollout(agent.params, learner.network, learner.support, params, state, 3)
 
 
-def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
-    """Pallas -> Triton lowering of both modes at the default network width (no GPU needed)."""
-    monkeypatch.setattr(qf, "on_cuda", lambda: True)
+def test_kernel_lowers_for_cuda_on_this_cpu(tables):
+    """Pallas -> Triton lowering of both modes at the default network width (no GPU needed),
+    with a CUDA device's launch shapes."""
+    gpu = tuning.for_device(SimpleNamespace(platform="gpu", core_count=132))
     cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
     params = trading.make_params(tables, cfg.env, "train")
     learner = make_learner(cfg, cfg.env.branch_sizes)
@@ -251,13 +260,15 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
     draws = jnp.full((steps, n, 3), -1, jnp.int32)
     resets = jnp.broadcast_to(params.starts[:n], (steps, n))
     net, z = learner.network, learner.support
+    default = gpu.rollout_config(net.dtype)
     collect_fn = jax.jit(lambda p, s, d, r: fused_rollout(p, net, z, params, s, steps, draws=d,
-                                                          reset_bars=r, interpret=False))
+                                                          reset_bars=r, config=default,
+                                                          interpret=False))
     text = collect_fn.trace(agent.params, state, draws, resets).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_rollout" in text
     # evaluation also with weight blocks read ahead (the Q-forward's default reading)
-    for kc in (None, qf.KernelConfig(block_rows=16, num_warps=8, max_chunk=128, lookahead=2)):
+    for kc in (default, qf.KernelConfig(block_rows=16, num_warps=8, max_chunk=128, lookahead=2)):
         eval_fn = jax.jit(lambda p, s, _c=kc: fused_rollout(
             p, net, z, params, s, steps, mode="evaluate", config=_c, interpret=False))
         assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
@@ -265,12 +276,19 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables, monkeypatch):
 
 
 def test_rollout_spans_cover_the_window_in_order():
-    """The collection kernel's launches (fused.rollout_spans): contiguous, from 0 to L, the last
-    a quarter of the steps (rounded down); one launch under 4 steps."""
-    from foxhunt_jax.training.fused import rollout_spans
-
+    """The collection kernel's launches (collect.rollout_spans with a rollout kernel):
+    contiguous, from 0 to L, the last a quarter of the steps (rounded down); one launch under 4
+    steps. A scan (no kernel: the xla backend, more episodes than the kernel takes, or an env
+    without one) is one span."""
+    pallas, xla = BACKENDS["pallas"], BACKENDS["xla"]
+    no_kernel = dataclasses.replace(TRADING_ADAPTER, fused=None)
+    too_many = pallas.tuning.rollout_max_episodes + 1
     for steps in (1, 3, 4, 6, 12, 100, 101):
-        spans = rollout_spans(steps)
+        spans = collect.rollout_spans(pallas, TRADING_ADAPTER, 16, steps)
+        assert spans == launch_spans(steps)
+        for be, adapter, n in ((xla, TRADING_ADAPTER, 16), (pallas, no_kernel, 16),
+                               (pallas, TRADING_ADAPTER, too_many)):
+            assert collect.rollout_spans(be, adapter, n, steps) == ((0, steps),)
         assert spans[0][0] == 0 and spans[-1][1] == steps
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert all(start < stop for start, stop in spans)

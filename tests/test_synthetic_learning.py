@@ -45,14 +45,18 @@ def trained():
 
 def test_agent_reaches_80_percent_of_oracle_test_sharpe(trained):
     _, _, res = trained
-    sharpe = {name: r["metrics"]["sharpe"] for name, r in res.items()}
-    assert list(res) == ["agent", "oracle", "buy_and_hold", "random"]
-    # the oracle's edge is real (about 3 annualized in theory at rho 0.25, vol 1%, 2 bps)
+    metrics = res["metrics"]
+    assert {"agent", "oracle", "buy_and_hold", "flat", "random"} <= set(metrics)
+    sharpe = {name: metrics[name]["sharpe"] for name in ("agent", "oracle", "buy_and_hold")}
+    sharpe["random_p95"] = metrics["random"]["p95"]["sharpe"]
+    # the oracle's edge is real (about 3 annualized per instrument in theory at rho 0.25, vol
+    # 1%, 2 bps; more for the portfolio of independent instruments)
     assert sharpe["oracle"] > 2.0, sharpe
     assert sharpe["agent"] >= MIN_RATIO * sharpe["oracle"], sharpe
-    assert sharpe["agent"] > max(sharpe["random"], sharpe["buy_and_hold"]) + 1.0, sharpe
+    assert sharpe["agent"] > max(sharpe["random_p95"], sharpe["buy_and_hold"]) + 1.0, sharpe
+    assert metrics["agent_percentile"]["sharpe"] >= 99.0
     # it trades the signal, as the oracle does: in the market most of the time, hit rate > 50%
-    agent = res["agent"]["metrics"]
+    agent = metrics["agent"]
     assert agent["time_in_market"] > 0.5 and agent["hit_rate"] > 0.53, agent
 
 
@@ -69,7 +73,8 @@ def _raw_returns(trainer, split):
 
 
 def test_oracle_row_equals_reference_simulation(trained):
-    """The oracle's test metrics and curve equal a float64 NumPy walk of sign(r) decisions."""
+    """The oracle's walk and its metrics on each instrument equal a float64 NumPy walk of
+    sign(r) decisions."""
     trainer, _, res = trained
     cfg = trainer.cfg.env
     r, starts, lengths = _raw_returns(trainer, "test")
@@ -78,19 +83,25 @@ def test_oracle_row_equals_reference_simulation(trained):
     w, steps = r.shape
     eq = np.full((w, steps + 1), np.nan)
     expo = np.zeros((w, steps))
-    traded = np.zeros((w, steps), bool)
+    fills = np.zeros((w, steps), np.int64)
+    turnover = np.zeros((w, steps))
     for i in range(w):
         n = int(lengths[i])
         ref = simulate(trainer.tables, cfg, starts[i:i + 1], actions[i:i + 1, :n])
         eq[i, 0], eq[i, 1:n + 1] = 1.0, ref["equity"][:, 0]
         expo[i, :n] = np.asarray(cfg.exposures)[actions[i, :n, 0]]
-        traded[i, :n] = ref["traded"][:, 0]
-    ref_metrics = trading_metrics(eq, expo, traded, trainer.market.bars_per_year)
-    got = res["oracle"]["metrics"]
-    np.testing.assert_allclose(got["sharpe"], ref_metrics["sharpe"], rtol=1e-3)
-    np.testing.assert_allclose(got["total_return"], ref_metrics["total_return"], rtol=1e-3)
-    assert got["trades"] == ref_metrics["trades"] and got["bars"] == ref_metrics["bars"]
-    np.testing.assert_allclose(res["oracle"]["curve"], np.nanmean(eq, axis=0), rtol=1e-4)
+        fills[i, :n], turnover[i, :n] = ref["fills"][:, 0], ref["turnover"][:, 0]
+    got = res["metrics"]["per_instrument"]["oracle"]
+    for i, name in enumerate(got):
+        ref_metrics = trading_metrics(eq[i], expo[i], fills[i], trainer.market.bars_per_year,
+                                      turnover=turnover[i])
+        np.testing.assert_allclose(got[name]["sharpe"], ref_metrics["sharpe"], rtol=1e-3)
+        np.testing.assert_allclose(got[name]["total_return"], ref_metrics["total_return"],
+                                   rtol=1e-3)
+        assert got[name]["trades"] == ref_metrics["trades"]
+        assert got[name]["bars"] == ref_metrics["bars"]
+        np.testing.assert_allclose(got[name]["turnover"], ref_metrics["turnover"], rtol=1e-6)
+    np.testing.assert_allclose(res["paths"]["oracle"]["equity"], eq, rtol=1e-4)
 
 
 @pytest.mark.parametrize("exposures,tp,sl", [

@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 from foxhunt_jax import api
-from foxhunt_jax.agent.learner import beta_at, epsilon_at, make_learner
+from foxhunt_jax.agent.learner import beta_at, epsilon_at
+from foxhunt_jax.backend import resolve
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import NonFiniteError
-from foxhunt_jax.training import checkpoint, trainer as trainer_mod
+from foxhunt_jax.training import checkpoint, phases, pipeline
+from foxhunt_jax.training.trainer import Trainer
 from foxhunt_jax.training.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +64,12 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
     assert checkpoint.latest_step(out / "checkpoints") == 3
     summary = json.loads((out / "report" / "summary.json").read_text())
     for split in ("validation", "test"):
-        assert {"agent", "buy_and_hold", "random"} <= set(summary[split])
+        assert {"agent", "buy_and_hold", "flat", "random", "agent_percentile",
+                "per_instrument"} <= set(summary[split])
+        random = summary[split]["random"]
+        assert random["policies"] == cfg.eval.random_policies == 200
+        assert random["p5"]["sharpe"] <= random["p50"]["sharpe"] <= random["p95"]["sharpe"]
+        assert 0 <= summary[split]["agent_percentile"]["sharpe"] <= 100
     for png in ("equity_validation.png", "equity_test.png", "training.png", "phases.png"):
         assert (out / "report" / png).stat().st_size > 10_000
     assert res.history == recs
@@ -107,7 +114,7 @@ def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, 
                                                                       every, bad_epoch):
     # every=2: epoch 3 is not checkpointed, so it queues epoch 4's Experience before its
     # metrics are read; the guard still stops at epoch 3 and keeps epoch 2's checkpoint
-    real = trainer_mod.train_steps
+    real = phases.train_steps
 
     def poisoned(learner, decode, agent, buffer, key, beta, num_steps):
         agent, buffer, m = real(learner, decode, agent, buffer, key, beta, num_steps)
@@ -115,15 +122,15 @@ def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, 
         params = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), agent.params)
         return agent.replace(params=params), buffer, m
 
-    monkeypatch.setattr(trainer_mod, "train_steps", poisoned)
+    monkeypatch.setattr(phases, "train_steps", poisoned)
     out = tmp_path / "poisoned"
     cfg = load_config("smoke", [f"train.checkpoint_every={every}", "train.epochs=5"])
     with pytest.raises(NonFiniteError, match=rf"^epoch {bad_epoch}: params contain NaN"):
         api.train(cfg, out, progress=False, log=lambda s: None)
     good = bad_epoch - 1
     assert checkpoint.latest_step(out / "checkpoints") == good
-    tr = trainer_mod.Trainer.build(cfg)
-    state, meta = checkpoint.restore(out / "checkpoints", good, tr.init_state())
+    trainer = Trainer.build(cfg)
+    state, meta = checkpoint.restore(out / "checkpoints", good, trainer.init_state())
     assert meta["epoch"] == good and int(state.epoch) == good
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.agent.params))
     assert [r["epoch"] for r in read_metrics(out)] == list(range(1, bad_epoch))
@@ -132,15 +139,15 @@ def test_non_finite_params_stop_the_run_and_keep_last_good_checkpoint(tmp_path, 
 def test_queued_experience_gives_the_same_epochs():
     """run_epoch(queue_next=True) queues the next Experience early; the numbers do not change."""
     def run(queue):
-        tr = trainer_mod.Trainer.build(load_config("smoke"))
-        state, recs = tr.init_state(), []
+        trainer = Trainer.build(load_config("smoke"))
+        state, recs = trainer.init_state(), []
         for e in range(3):
-            state, rec = tr.run_epoch(state, queue_next=queue and e < 2)
+            state, rec = trainer.run_epoch(state, queue_next=queue and e < 2)
             recs.append(rec)
-        return state, recs, tr
+        return state, recs, trainer
 
-    (s0, r0, _), (s1, r1, tr) = run(False), run(True)
-    assert tr._queued is None
+    (s0, r0, _), (s1, r1, trainer) = run(False), run(True)
+    assert trainer.pipeline.ahead is None
     assert without_timing(r0) == without_timing(r1)
     assert [r["epoch"] for r in r1] == [1, 2, 3]
     # each phase from the previous one's completion (a queued Experience from the previous
@@ -152,11 +159,12 @@ def test_queued_experience_gives_the_same_epochs():
         assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state, rec = trainer.run_epoch(trainer.init_state(), queue_next=True)
+    assert trainer.pipeline.ahead is not None and trainer.pipeline.ahead.state is state
+    assert int(state.epoch) == rec["epoch"] + 1  # ahead: the next epoch's Training is queued
     # a state that is not the queued one runs its own Experience (the queued one is dropped)
-    state, _ = tr.run_epoch(tr.init_state(), queue_next=True)
-    assert tr._queued is not None and tr._queued.state is state
-    fresh, rec = tr.run_epoch(tr.init_state())
-    assert tr._queued is None and rec["epoch"] == 1
+    fresh, rec = trainer.run_epoch(trainer.init_state())
+    assert trainer.pipeline.ahead is None and rec["epoch"] == 1
 
 
 def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
@@ -166,19 +174,19 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
                                 "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
                                 "train.num_episodes=16", "train.train_steps=2"])
-    tr = trainer_mod.Trainer.build(cfg)
-    monkeypatch.setattr(trainer_mod, "pairs_rollouts", lambda *a: True)
+    trainer = Trainer.build(cfg)
+    monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: True)
 
     def run(queue):
-        state, recs = tr.init_state(), []
+        state, recs = trainer.init_state(), []
         for e in range(2):
-            state, rec = tr.run_epoch(state, queue_next=queue and e < 1)
+            state, rec = trainer.run_epoch(state, queue_next=queue and e < 1)
             recs.append(rec)
         return state, recs
 
     (s0, r0), (s1, r1) = run(False), run(True)
     # compiled when the first queued epoch needed it, and reported as that epoch's Compile
-    assert tr.pairs_rollouts and "validation_experience" in tr._phases
+    assert trainer.pairs_rollouts and "validation_experience" in trainer.pipeline.programs
     assert r1[0]["phase_ms"]["compile"] > 0 and r1[1]["phase_ms"]["compile"] == 0
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
@@ -187,20 +195,20 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     # paired by default where both rollouts are kernels on one device; not with the XLA
     # backend, the setting off, or a mesh of several devices (Validation runs on one)
     kernels = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
-    learner = make_learner(kernels, kernels.env.branch_sizes)
-    assert trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=1))
-    assert not trainer_mod.pairs_rollouts(learner, kernels, SimpleNamespace(size=2))
+    pallas = resolve(kernels.network)
+    assert pipeline.pairs_rollouts(pallas, kernels, SimpleNamespace(size=1))
+    assert not pipeline.pairs_rollouts(pallas, kernels, SimpleNamespace(size=2))
     switched_off = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas",
                                          "train.pair_rollouts=false"])
-    assert not trainer_mod.pairs_rollouts(learner, switched_off, None)
-    assert not tr.pairs_rollouts  # XLA
+    assert not pipeline.pairs_rollouts(pallas, switched_off, None)
+    assert not trainer.pairs_rollouts  # XLA
     # the setting keys only the paired program: the others load from the executable cache
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     for name in ("experience", "training", "validation"):
-        assert trainer_mod.program_key_config(cfg, name) == \
-            trainer_mod.program_key_config(off, name)
-    assert trainer_mod.program_key_config(cfg, "validation_experience") != \
-        trainer_mod.program_key_config(off, "validation_experience")
+        assert pipeline.program_key_config(cfg, name) == \
+            pipeline.program_key_config(off, name)
+    assert pipeline.program_key_config(cfg, "validation_experience") != \
+        pipeline.program_key_config(off, "validation_experience")
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
@@ -257,7 +265,7 @@ class _Fails:
 def test_phase_ready_time_is_after_the_results_and_passes_a_failure_on():
     x = jnp.arange(1000.0) * 2.0
     t0 = time.perf_counter()
-    done = trainer_mod._ready_time({"x": x})
+    done = pipeline.ready_clock({"x": x})
     assert t0 <= done() <= time.perf_counter()
     with pytest.raises(RuntimeError, match="device program failed"):
-        trainer_mod._ready_time([_Fails()])()
+        pipeline.ready_clock([_Fails()])()

@@ -1,4 +1,4 @@
-"""Random Network Distillation curiosity (DESIGN 3.7).
+"""Random Network Distillation curiosity.
 
 A fixed, randomly initialised target network ``f`` and a trained predictor ``g`` of the same
 architecture (``D -> hidden -> hidden -> embed``, ReLU) both embed the next observation. The raw
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from foxhunt_jax.agent.network import F32_PRECISION_MIN_ROWS, Dense, init_params
+from foxhunt_jax.agent.network import Dense, init_params
 from foxhunt_jax.config import CuriosityConfig
 
 _VAR_EPS = 1e-8  # keeps the normaliser finite when every raw error seen so far is equal
@@ -58,8 +58,7 @@ class RNDNetwork(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         # never TF32 or one bf16 product: late in a run the novelty is a small difference of
-        # two embeddings, which those get wrong by 8% to 117%, bf16 x3 by 0.1% (BENCHMARKS.md,
-        # session 3)
+        # two embeddings, which those get wrong by far more than bf16 x3 does
         dense = lambda n, name: Dense(n, jnp.float32, self.fast, name=name)
         x = nn.relu(dense(self.hidden, "hidden_0")(x))
         x = nn.relu(dense(self.hidden, "hidden_1")(x))
@@ -129,28 +128,12 @@ def _errors(net: RNDNetwork, predictor_params, target_params, obs: jax.Array) ->
     return jnp.square(net.apply(predictor_params, obs) - target)
 
 
-def uses_kernel(cfg: CuriosityConfig, rows: int, backend: str) -> bool:
-    """Whether :func:`prediction_error` over ``rows`` rows runs the Pallas kernel
-    (:mod:`pallas_kernels.rnd`): the ``"pallas"`` backend, the ``"bf16x3"`` precision (the
-    kernel's arithmetic) and at least :data:`~foxhunt_jax.agent.network.F32_PRECISION_MIN_ROWS`
-    rows (below, the GEMMs multiply in true f32), for widths the kernel takes."""
-    from pallas_kernels import rnd
-
-    return (backend == "pallas" and cfg.precision == "bf16x3" and rows >= F32_PRECISION_MIN_ROWS
-            and rnd.supports(cfg.hidden, cfg.embed))
-
-
-def prediction_error(state: RNDState, obs: jax.Array, backend: str = "xla") -> jax.Array:
+def prediction_error(state: RNDState, obs: jax.Array) -> jax.Array:
     """Raw novelty ``||g(s) - f(s)||^2``: ``obs [N, D] -> [N] float32``.
 
-    ``backend="pallas"`` runs both networks and the error in one kernel where
-    :func:`uses_kernel` says so (same arithmetic as XLA's bf16 x3 GEMMs, tested equal), else
-    the Flax network as ``"xla"``.
+    The definition that :mod:`foxhunt_jax.backend` serves (its ``pallas`` backend runs it as
+    one kernel where the precision and the widths allow, tested equal).
     """
-    if uses_kernel(state.cfg, obs.shape[0], backend):
-        from pallas_kernels import rnd
-
-        return rnd.prediction_error(state.target_params, state.predictor_params, obs)
     return jnp.sum(_errors(_network(state.cfg), state.predictor_params, state.target_params, obs),
                    axis=-1)
 
@@ -224,6 +207,6 @@ def update(state: RNDState, next_obs: jax.Array) -> tuple[RNDState, jax.Array]:
 
 
 __all__ = [
-    "RNDNetwork", "RNDState", "init", "resolve_precision", "uses_kernel", "prediction_error",
+    "RNDNetwork", "RNDState", "init", "resolve_precision", "prediction_error",
     "scale_bonus", "intrinsic_reward", "update_stats", "update",
 ]

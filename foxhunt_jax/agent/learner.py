@@ -1,6 +1,6 @@
 """The learner step: C51 double-Q update with prioritized replay, target update and RND.
 
-One jitted function does a whole step (DESIGN 3.9):
+One jitted function does a whole step:
 
     sample batch (prioritized) -> decode observations -> online(s), target(s'), online(s')
     -> per-sample C51 double-Q loss -> importance-weighted mean -> grads
@@ -19,7 +19,6 @@ A replay item must hold ``action [B] int32``, ``reward`` (the n-step return) and
 
 from __future__ import annotations
 
-import dataclasses
 
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,9 +32,10 @@ from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import bootstrap_loss
-from foxhunt_jax.agent.network import (QNetwork, init_params, q_forward, support as make_support,
-                                       taken_logits)
+from foxhunt_jax.agent.network import (QNetwork, explore_actions, greedy_actions, init_params,
+                                       q_forward, support as make_support, taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
+from pallas_kernels.tuning import ReplaySearch
 
 Decode = Callable[[Any], tuple[jax.Array, jax.Array]]
 
@@ -53,7 +53,12 @@ class AgentState:
 
 @dataclass(frozen=True)
 class Learner:
-    """Static pieces of the learner: network, optimizer and hyper-parameters (hashable for jit)."""
+    """Static pieces of the learner: network, optimizer and hyper-parameters (hashable for jit).
+
+    ``replay_search``: how the replay's slot search runs (:func:`replay.sample`), a shape of
+    the device (``Backend.tuning.replay``); the default is right on every device, only slower
+    on a GPU.
+    """
 
     network: QNetwork
     optimizer: optax.GradientTransformation
@@ -61,6 +66,7 @@ class Learner:
     train_cfg: TrainConfig
     replay_cfg: ReplayConfig
     curiosity_cfg: CuriosityConfig
+    replay_search: ReplaySearch = ReplaySearch()
 
     @property
     def support(self) -> jax.Array:
@@ -73,28 +79,20 @@ class Learner:
         return self is other
 
 
-def make_learner(cfg: Config, branch_sizes: tuple[int, ...]) -> Learner:
+def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
+                 replay_search: ReplaySearch = ReplaySearch()) -> Learner:
+    """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_search`` as
+    :class:`Learner` (the trainer passes its backend's ``tuning.replay``)."""
     net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
                    head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
     t = cfg.train
-    net_cfg = dataclasses.replace(cfg.network, backend=resolve_backend(cfg.network))
     # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
-    # launches 31 fewer kernels (7% faster on an H200 at the seed's batch, BENCHMARKS.md)
+    # launches far fewer kernels
     optimizer = optax.flatten(optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
                                           optax.adam(t.learning_rate, eps=t.adam_eps)))
-    return Learner(net, optimizer, net_cfg, t, cfg.replay,
-                   curiosity.resolve_precision(cfg.curiosity, cfg.network.dtype))
-
-
-def resolve_backend(net_cfg) -> str:
-    """``network.backend`` with ``"auto"`` decided: ``"pallas"`` on a CUDA GPU when the network
-    computes in bfloat16 (the kernels win there, BENCHMARKS.md), else ``"xla"`` (the float32
-    kernel loses to XLA on a GPU, and off a GPU the kernels only run interpreted)."""
-    from pallas_kernels.q_forward import on_cuda
-
-    if net_cfg.backend != "auto":
-        return net_cfg.backend
-    return "pallas" if on_cuda() and net_cfg.dtype == "bfloat16" else "xla"
+    return Learner(net, optimizer, cfg.network, t, cfg.replay,
+                   curiosity.resolve_precision(cfg.curiosity, cfg.network.dtype),
+                   replay_search)
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
@@ -110,24 +108,25 @@ def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
 
 
 def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, action, returns,
-                    discount, backend: str = "xla") -> jax.Array:
+                    discount, backend=None) -> jax.Array:
     """C51 double-Q loss per sample [M] (:func:`~foxhunt_jax.agent.loss.c51_loss`): three
     forwards, online at s' for its greedy actions, online at s and target at s' for the logits
     of the taken and of those greedy actions.
 
-    ``backend`` runs the forwards (:func:`~foxhunt_jax.agent.network.q_forward`,
-    :func:`~foxhunt_jax.agent.network.taken_logits`) and the target's part of the loss
-    (:func:`~foxhunt_jax.agent.loss.bootstrap_loss`): the update differentiates the default
-    ``"xla"`` (Flax and jnp). The initial priorities
+    ``backend`` None runs the definitions (Flax and jnp, differentiable): the update. A
+    :class:`foxhunt_jax.backend.Backend` runs its ``q_forward``, ``taken_logits`` and
+    ``bootstrap_loss`` instead (no gradient through a kernel). The initial priorities
     (:func:`foxhunt_jax.training.collect.collect`) and the validation loss build this same loss
-    from parts their rollouts already computed, and run what they still need on the network's
-    configured backend; tests compare both to this function.
+    from parts their rollouts already computed, on their backend; tests compare both to this
+    function.
     """
     net, z = learner.network, learner.support
-    _, best = q_forward(params, next_obs, net, z, backend)  # an argmax has no gradient
-    return bootstrap_loss(target_params, next_obs, best,
-                          taken_logits(params, obs, action, net, backend), returns, discount,
-                          net, z, backend)
+    forward, logits_of, loss_of = ((q_forward, taken_logits, bootstrap_loss) if backend is None
+                                   else (backend.q_forward, backend.taken_logits,
+                                         backend.bootstrap_loss))
+    _, best = forward(params, next_obs, net, z)  # an argmax has no gradient
+    return loss_of(target_params, next_obs, best, logits_of(params, obs, action, net), returns,
+                   discount, net, z)
 
 
 def _update_target(learner: Learner, params, target_params, step):
@@ -193,10 +192,12 @@ def sample_batch(learner: Learner, decode: Decode, buffer: replay.ReplayState, k
     ``[S, M/S]`` (slots of each shard).
     """
     m = learner.train_cfg.batch_size
+    search = learner.replay_search
     if replay.num_shards(buffer) is None:
-        items, indices, weights = replay.sample(buffer, key, m, beta)
+        items, indices, weights = replay.sample(buffer, key, m, beta, search)
     else:
-        items, indices, weights = replay.sample_shards(buffer, key, m, beta)  # [S, M/S, ...]
+        items, indices, weights = replay.sample_shards(buffer, key, m, beta,
+                                                       search)  # [S, M/S, ...]
         flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
         items, weights = jax.tree.map(flat, items), flat(weights)
     obs, next_obs = decode(items)
@@ -238,7 +239,7 @@ def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: rep
     and decodes batch ``t + 1``. The draw needs only the priorities that batch ``t``'s forward
     sets, not the backward or the optimizer, so in one iteration's program XLA runs the next
     draw beside the backward instead of after it: the draw is a chain of small kernels that no
-    longer lies between one update and the next (BENCHMARKS.md, session 9). The last
+    longer lies between one update and the next. The last
     iteration's draw is not used.
 
     ``buffer`` may be plain or sharded (see :func:`sample_batch`).
@@ -289,8 +290,7 @@ def schedule_values(replay_cfg: ReplayConfig, train_cfg: TrainConfig) -> np.ndar
 
     The phase programs take this array as an argument and compute both rates from the epoch
     counter on the device (:func:`epsilon_from`, :func:`beta_from`): no host value is copied
-    into a program each epoch, and one compiled program still serves every run length
-    (BENCHMARKS.md, session 5, has what the host copy cost).
+    into a program each epoch, and one compiled program still serves every run length.
     """
     return np.asarray([train_cfg.epsilon_start, train_cfg.epsilon_end,
                        train_cfg.epsilon_decay_epochs, replay_cfg.beta_start,
@@ -312,8 +312,6 @@ def epsilon_greedy(key: jax.Array, logits: tuple, support: jax.Array, epsilon) -
 
     Each branch of each episode explores independently with probability epsilon.
     """
-    from foxhunt_jax.agent.network import explore_actions, greedy_actions
-
     greedy = greedy_actions(logits, support)
     out = explore_actions(key, greedy, [lg.shape[-2] for lg in logits], epsilon)
     chex.assert_shape(out, (greedy.shape[0], len(logits)))

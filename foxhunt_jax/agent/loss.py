@@ -13,7 +13,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from foxhunt_jax.agent.network import _use_pallas, greedy_actions, select_action, taken_logits
+from foxhunt_jax.agent.network import greedy_actions, select_action, taken_logits
 from foxhunt_jax.errors import ConfigError
 
 
@@ -82,7 +82,7 @@ def c51_loss(taken: Sequence[jax.Array], target_best: Sequence[jax.Array], retur
 
 def bootstrap_loss(target_params, next_obs: jax.Array, best: jax.Array,
                    taken: Sequence[jax.Array], returns: jax.Array, discounts: jax.Array, network,
-                   support: jax.Array, backend: str = "xla") -> jax.Array:
+                   support: jax.Array) -> jax.Array:
     """:func:`c51_loss` of given online logits against the target network's distribution at
     the bootstrap observation: ``c51_loss(taken, taken_logits(target_params, next_obs, best),
     returns, discounts, support)``.
@@ -94,22 +94,13 @@ def bootstrap_loss(target_params, next_obs: jax.Array, best: jax.Array,
         greedy action there).
       taken: tuple over branches of ``[M, K]`` online logits of the taken actions at s.
       returns, discounts, support: as :func:`c51_loss`.
-      backend: ``"xla"`` (Flax and jnp; differentiable in ``taken``) or ``"pallas"``: one
-        kernel, the target forward with the loss after it
-        (:func:`pallas_kernels.q_forward.fused_bootstrap_loss`, tested equal; no gradient),
-        which writes one float a row where XLA writes the target logits and runs the softmax,
-        the projection and the cross-entropy as kernels of their own.
 
     Returns:
-      ``[M]`` float32.
+      ``[M]`` float32, differentiable in ``taken``. The definition that
+      :mod:`foxhunt_jax.backend`'s ``pallas`` backend runs as one kernel (no gradient).
     """
-    if not _use_pallas(backend):
-        return c51_loss(taken, taken_logits(target_params, next_obs, best, network), returns,
-                        discounts, support)
-    from pallas_kernels.q_forward import fused_bootstrap_loss
-
-    return fused_bootstrap_loss(target_params, next_obs, network, support, best, taken, returns,
-                                discounts)
+    return c51_loss(taken, taken_logits(target_params, next_obs, best, network), returns,
+                    discounts, support)
 
 
 def c51_double_q_loss(online_s: Sequence[jax.Array], online_next: Sequence[jax.Array],

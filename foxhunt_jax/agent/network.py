@@ -3,9 +3,9 @@
 One forward function serves every caller: the learner (online on s, target on s', online on s'),
 experience collection and inference all call :meth:`QNetwork.apply`. Collection reaches it
 through :func:`act`, inference through :func:`q_forward`, and the loss's no-gradient callers
-(initial priorities, the validation loss) through :func:`taken_logits`; their
-``backend="pallas"`` runs the same network as one fused kernel (``pallas_kernels/q_forward.py``,
-tested equal to this module).
+(initial priorities, the validation loss) through :func:`taken_logits`. These three are the
+definitions that :mod:`foxhunt_jax.backend` serves: its ``xla`` backend runs them as written,
+its ``pallas`` backend as fused kernels (``pallas_kernels/q_forward.py``) tested equal to them.
 
 Layout with the default 3 branches (ten Dense layers, 20 tensors)::
 
@@ -30,22 +30,22 @@ from jax.flatten_util import ravel_pytree
 
 from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
+from pallas_kernels.q_forward import apply_draws
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # f32-accurate GEMMs without TF32 (XLA's default f32 algorithm on Ampere+ GPUs keeps 10 mantissa
 # bits). F32_PRECISION splits each f32 operand into three bf16 parts and multiplies them on
 # tensor cores as six bf16 products with f32 accumulation: as accurate against float64 as true
-# f32 products (Precision.HIGHEST), faster on an H200 from about a thousand rows, and faster to
-# compile (2.8x for the curiosity pass), since XLA's autotuner no longer compiles f32 FMA GEMM
-# tilings. At a few dozen rows (a learner batch, the validation windows) its extra products make
-# it slower, so those GEMMs keep HIGHEST (BENCHMARKS.md, session 8). The CPU computes both as
-# plain f32.
+# f32 products (Precision.HIGHEST), and faster on a GPU from about a thousand rows and to
+# compile (XLA's autotuner no longer compiles f32 FMA GEMM tilings). At a few dozen rows (a
+# learner batch, the validation windows) its extra products cost more than they save, so those
+# GEMMs keep HIGHEST. The CPU computes both as plain f32.
 # Every float32 GEMM of the library's networks (Q and RND) goes through Dense and this rule.
 F32_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 F32_PRECISION_MIN_ROWS = 1024
 # Three bf16 products instead of six (the operands' two leading bf16 parts): a float32 layer may
 # ask for it where about 16 mantissa bits are enough (the curiosity pass of a bfloat16 run,
-# CuriosityConfig.precision); the GPU runs it 1.6x faster (BENCHMARKS.md, session 3)
+# CuriosityConfig.precision), for fewer products
 F32_FAST_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
@@ -177,11 +177,6 @@ def explore_draws(key: jax.Array, num_rows: int, branch_sizes: Sequence[int],
     return jnp.stack(cols, axis=-1)
 
 
-def apply_draws(draws: jax.Array, greedy: jax.Array) -> jax.Array:
-    """Actions from :func:`explore_draws` ``[..., B]`` and greedy actions ``[..., B]``."""
-    return jnp.where(draws >= 0, draws, greedy)
-
-
 def explore_actions(key: jax.Array, greedy: jax.Array, branch_sizes: Sequence[int],
                     epsilon) -> jax.Array:
     """Per-branch epsilon-greedy: ``greedy [N, B]`` int32 -> actions ``[N, B]`` int32
@@ -189,44 +184,21 @@ def explore_actions(key: jax.Array, greedy: jax.Array, branch_sizes: Sequence[in
     return apply_draws(explore_draws(key, greedy.shape[0], branch_sizes, epsilon), greedy)
 
 
-BACKENDS = ("xla", "pallas")
-
-
-def _use_pallas(backend: str) -> bool:
-    """Whether ``backend`` is ``"pallas"`` (else ``"xla"``); ConfigError for any other name."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"config key 'network.backend' must be one of {BACKENDS}, got "
-                          f"{backend!r}")
-    return backend == "pallas"
-
-
-def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array,
-              backend: str = "xla", *, with_q: bool = False):
-    """The collection/inference forward: greedy actions (and expected Q) at ``obs [..., D]``.
-
-    ``backend="xla"`` is ``greedy_actions(network.apply(params, obs), z)``; ``"pallas"`` runs
-    the same network in one fused kernel (:mod:`pallas_kernels.q_forward`, tested equal).
-    Training keeps ``network.apply``, which provides gradients.
+def q_forward(params: Any, obs: jax.Array, network: QNetwork, z: jax.Array, *,
+              with_q: bool = False):
+    """The collection/inference forward: greedy actions (and expected Q) at ``obs [..., D]``:
+    ``greedy_actions(network.apply(params, obs), z)``.
 
     Returns ``(q, actions)``: ``q`` a tuple over branches of ``[..., n_d]`` float32 expected Q
     (None unless ``with_q``), ``actions [..., B]`` int32 (per-branch argmax, first of ties).
     """
-    if not _use_pallas(backend):
-        logits = network.apply(params, obs)
-        q = tuple(expected_q(l, z) for l in logits) if with_q else None
-        return q, greedy_actions(logits, z)
-    from pallas_kernels.q_forward import fused_q_forward
-
-    lead, dim = obs.shape[:-1], obs.shape[-1]
-    q, actions = fused_q_forward(params, obs.reshape(-1, dim), network, z, with_q=with_q)
-    actions = actions.reshape(lead + (len(network.branch_sizes),))
-    if q is not None:
-        q = tuple(x.reshape(lead + (x.shape[-1],)) for x in q)
-    return q, actions
+    logits = network.apply(params, obs)
+    q = tuple(expected_q(l, z) for l in logits) if with_q else None
+    return q, greedy_actions(logits, z)
 
 
-def act(params: Any, obs: jax.Array, draws: jax.Array, network: QNetwork, z: jax.Array,
-        backend: str = "xla") -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+def act(params: Any, obs: jax.Array, draws: jax.Array, network: QNetwork,
+        z: jax.Array) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
     """The collection forward: epsilon-greedy actions at ``obs [N, D]`` and what the initial
     priorities reuse of this forward.
 
@@ -234,51 +206,31 @@ def act(params: Any, obs: jax.Array, draws: jax.Array, network: QNetwork, z: jax
     action, taken)``: ``greedy [N, B]`` int32 (per-branch argmax of expected Q), ``action``
     ``= apply_draws(draws, greedy)`` and ``taken``, a tuple over branches of ``[N, K]`` float32
     logits of the action taken (:func:`taken_logits` of ``action``, from the same forward).
-    ``backend="pallas"`` runs it as one fused kernel
-    (:func:`pallas_kernels.q_forward.fused_act`, tested equal).
     """
-    if not _use_pallas(backend):
-        logits = network.apply(params, obs)
-        greedy = greedy_actions(logits, z)
-        action = apply_draws(draws, greedy)
-        return greedy, action, tuple(select_action(l, action[:, d]) for d, l in enumerate(logits))
-    from pallas_kernels.q_forward import fused_act
-
-    greedy, taken = fused_act(params, obs, network, z, draws)
-    return greedy, apply_draws(draws, greedy), taken
+    logits = network.apply(params, obs)
+    greedy = greedy_actions(logits, z)
+    action = apply_draws(draws, greedy)
+    return greedy, action, tuple(select_action(l, action[:, d]) for d, l in enumerate(logits))
 
 
 def select_action(logits_d: jax.Array, action: jax.Array) -> jax.Array:
     """Logits of one action per row: ``[..., n, K]``, ``[...]`` int -> ``[..., K]``.
 
     A masked sum over the ``n`` actions rather than a gather: XLA fuses it with its neighbours,
-    and its gradient is a select instead of a scatter-add. On an H200 that took the learner step
-    from 140.2 to 130.4 us in bf16 (BENCHMARKS.md, session 9). Exact: one term is nonzero.
+    and its gradient is a select instead of a scatter-add. Exact: one term is nonzero.
     """
     taken = jnp.arange(logits_d.shape[-2]) == action[..., None]
     return jnp.sum(jnp.where(taken[..., None], logits_d, 0.0), axis=-2)
 
 
-def taken_logits(params: Any, obs: jax.Array, actions: jax.Array, network: QNetwork,
-                 backend: str = "xla") -> tuple[jax.Array, ...]:
+def taken_logits(params: Any, obs: jax.Array, actions: jax.Array,
+                 network: QNetwork) -> tuple[jax.Array, ...]:
     """Each branch's logits of one action: ``obs [..., D]``, ``actions [..., B]`` int32 ->
     a tuple over branches of ``[..., K]`` float32 (:func:`select_action` of
-    ``network.apply``).
-
-    A C51 loss needs no more of the network's output. ``backend="pallas"`` runs the network
-    and the selection in one fused kernel (:func:`pallas_kernels.q_forward.fused_logits` with
-    ``actions``, tested equal), which writes ``B * K`` floats a row instead of every action's
-    logits; it has no gradient, so the learner's update differentiates ``"xla"`` (Flax).
+    ``network.apply``). A C51 loss needs no more of the network's output.
     """
-    if not _use_pallas(backend):
-        logits = network.apply(params, obs)
-        return tuple(select_action(l, actions[..., d]) for d, l in enumerate(logits))
-    from pallas_kernels.q_forward import fused_logits
-
-    lead, dim = obs.shape[:-1], obs.shape[-1]
-    out = fused_logits(params, obs.reshape(-1, dim), network,
-                       actions=actions.reshape(-1, actions.shape[-1]))
-    return tuple(x.reshape(lead + x.shape[1:]) for x in out)
+    logits = network.apply(params, obs)
+    return tuple(select_action(l, actions[..., d]) for d, l in enumerate(logits))
 
 
 # flax's lecun_normal: a normal truncated to [-2, 2], rescaled to unit variance, times 1/sqrt(fan_in)
@@ -290,8 +242,8 @@ def init_params(module: nn.Module, key: jax.Array, example: jax.Array) -> Any:
 
     The same distribution and pytree as ``module.init(key, example)`` (flax draws each kernel
     with its own call), but all kernels come from a single truncated-normal draw sliced per
-    layer. On XLA:CPU every random call compiles to its own generator kernel: one draw instead of
-    ten cuts the start-up compile of the Q-network from ~10 s to ~1 s on a 2-core CPU.
+    layer. On XLA:CPU every random call compiles to its own generator kernel, so one draw
+    instead of ten makes the start-up compile of the Q-network several times faster.
     """
     shapes = jax.eval_shape(module.init, key, example)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -322,4 +274,4 @@ def param_count(params: Any) -> int:
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
            "f32_precision", "make_network", "init_params", "support", "expected_q", "greedy_actions",
            "explore_actions", "explore_draws", "apply_draws", "act", "q_forward", "select_action",
-           "taken_logits", "BACKENDS", "flatten_params", "param_count"]
+           "taken_logits", "flatten_params", "param_count"]

@@ -1,4 +1,4 @@
-"""Device-resident ring buffer with proportional prioritized sampling (DESIGN 3.8).
+"""Device-resident ring buffer with proportional prioritized sampling.
 
 The buffer is generic: an *item* is any pytree of arrays (one transition, no batch axis) and the
 state stores each leaf with a leading capacity axis ``C``. Every function is pure and jittable;
@@ -32,6 +32,8 @@ from flax import struct
 
 from foxhunt_jax.config import ReplayConfig
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.parallel import shard_keys
+from pallas_kernels.tuning import ReplaySearch
 
 _DEFAULT_EPS = ReplayConfig.priority_eps
 _MAX_BLOCK = 256  # preferred largest block of the two-level search (sampling gathers M rows of S)
@@ -198,27 +200,15 @@ def _block_masses(priorities: jax.Array) -> tuple[jax.Array, jax.Array]:
     return blocks, jnp.sum(blocks, axis=1)
 
 
-# Largest [M, C/S] comparison _count_at_or_below makes at once on a GPU: 4,096 draws over 4,096
-# blocks took 56 against 95 us by binary search on an H200 (BENCHMARKS.md, session 18).
-_COUNT_MAX = 1 << 24
-
-
-def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int | None = None) -> jax.Array:
+def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int = 0) -> jax.Array:
     """How many entries of the non-decreasing ``cum [k]`` are ``<= u``, for each of ``u [M]``:
     ``searchsorted(cum, u, side="right")`` as ``[M]`` int32.
 
-    Up to ``count_max`` pairs (default: :data:`_COUNT_MAX` on a GPU, none elsewhere), one
-    ``[M, k]`` compare-and-count: one kernel, where a binary search is ~log2(k) small dependent
-    ones. On an H200 that took the float32 learner step from 100-104 to 93-98 us (BENCHMARKS.md,
-    session 13). Otherwise an unrolled binary search (the default while-loop form costs ~0.3 ms
-    more per call on a GPU), which a CPU, where the work counts rather than the launches, runs
-    faster: 45 against 57 us for the seed's 64 draws over 512 blocks, 0.19 against 1.19 ms for
-    4,096 draws (2-core CPU, 2026-11-30).
+    Up to ``count_max`` pairs (``ReplaySearch.count_max``), one ``[M, k]`` compare-and-count: one kernel, where a binary search is ~log2(k) small dependent ones,
+    which pays on a GPU. Otherwise an unrolled binary search (the while-loop form costs a
+    launch per step on a GPU), which a CPU, where the work counts rather than the launches,
+    runs faster. Both give the same counts.
     """
-    if count_max is None:
-        from pallas_kernels.q_forward import on_cuda
-
-        count_max = _COUNT_MAX if on_cuda() else 0
     if u.shape[0] * cum.shape[0] <= count_max:
         return jnp.sum(cum[None, :] <= u[:, None], axis=1, dtype=jnp.int32)
     return jnp.searchsorted(cum, u, side="right", method="scan_unrolled").astype(jnp.int32)
@@ -231,24 +221,22 @@ def _pick(cum: jax.Array, walk: jax.Array) -> jax.Array:
     return jnp.minimum(j, _last_positive(cum))
 
 
-# Largest M x S gather of whole blocks the slot search makes; above it a block is searched in
-# sub-blocks of _SUB_BLOCK slots. On an H200 that took a draw of 4,096 from 2^22 slots from
-# 112 to 56-63 us, while at M = 64 whole blocks were 5-10 us faster (BENCHMARKS.md, session 18).
-_WHOLE_BLOCKS_MAX = 1 << 18
-_SUB_BLOCK = 32
+_SUB_BLOCK = 32  # slots of a sub-block (ReplaySearch.whole_blocks_max)
 
 
-def _slot_in_block(blocks: jax.Array, b: jax.Array, v: jax.Array) -> jax.Array:
+def _slot_in_block(blocks: jax.Array, b: jax.Array, v: jax.Array,
+                   whole_blocks_max: int) -> jax.Array:
     """``[M] int32``: the slot inside block ``b [M]`` of ``blocks [C/S, S]`` at fraction
     ``v [M]`` of the block's mass (inverse CDF of the block's own cumulative sum).
 
-    Small ``M * S``: one ``[M, S]`` cumulative sum. Larger: the sub-block of ``T`` slots by the
+    ``M * S`` up to ``whole_blocks_max``: one ``[M, S]`` cumulative sum. Larger: the sub-block
+    of ``T`` slots by the
     block's cumulative sub-block masses, then the slot inside it (the same slot in exact
     arithmetic; M rows of ``S/T + T`` entries instead of ``S``).
     """
     nb, s = blocks.shape
     m = b.shape[0]
-    if m * s <= _WHOLE_BLOCKS_MAX or s <= _SUB_BLOCK:
+    if m * s <= whole_blocks_max or s <= _SUB_BLOCK:
         local = jnp.cumsum(blocks[b], axis=1)  # [M, S]
         return _pick(local, v * local[:, -1])
     t, per = _SUB_BLOCK, s // _SUB_BLOCK
@@ -260,18 +248,20 @@ def _slot_in_block(blocks: jax.Array, b: jax.Array, v: jax.Array) -> jax.Array:
     return c * t + _pick(local, walk - jnp.where(c > 0, before, 0.0))
 
 
-def _locate(blocks: jax.Array, cum: jax.Array, u: jax.Array, v: jax.Array) -> jax.Array:
+def _locate(blocks: jax.Array, cum: jax.Array, u: jax.Array, v: jax.Array,
+            search: ReplaySearch) -> jax.Array:
     """Two-level inverse CDF.
 
     ``blocks [C/S, S]`` priorities, ``cum [C/S]`` cumulative block masses, ``u [M]`` in
     ``[0, cum[-1])`` picks the block, ``v [M]`` in ``[0, 1)`` the slot inside it (as a fraction of
-    the block's mass). Returns ``[M] int32`` slot indices.
+    the block's mass); ``search`` the device's search shape. Returns ``[M] int32`` slot indices.
     """
-    b = jnp.minimum(_count_at_or_below(cum, u), _last_positive(cum))
-    return b * blocks.shape[1] + _slot_in_block(blocks, b, v)
+    b = jnp.minimum(_count_at_or_below(cum, u, search.count_max), _last_positive(cum))
+    return b * blocks.shape[1] + _slot_in_block(blocks, b, v, search.whole_blocks_max)
 
 
-def locate(priorities: jax.Array, u: jax.Array, v: jax.Array) -> jax.Array:
+def locate(priorities: jax.Array, u: jax.Array, v: jax.Array,
+           search: ReplaySearch = ReplaySearch()) -> jax.Array:
     """Inverse CDF of ``priorities`` in two levels: block by ``u``, slot in the block by ``v``.
 
     Block ``b`` covers ``[c_{b-1}, c_b)`` of the cumulative block masses ``c``, and inside it
@@ -288,11 +278,11 @@ def locate(priorities: jax.Array, u: jax.Array, v: jax.Array) -> jax.Array:
     """
     blocks, mass = _block_masses(priorities)
     u, v = jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32)
-    return _locate(blocks, jnp.cumsum(mass), u, v)
+    return _locate(blocks, jnp.cumsum(mass), u, v, search)
 
 
-def sample(state: ReplayState, key: jax.Array, batch_size: int,
-           beta) -> tuple[Any, jax.Array, jax.Array]:
+def sample(state: ReplayState, key: jax.Array, batch_size: int, beta,
+           search: ReplaySearch = ReplaySearch()) -> tuple[Any, jax.Array, jax.Array]:
     """Stratified proportional draw of ``M = batch_size`` items with importance weights.
 
     The total mass is cut into ``M`` equal segments and one uniform point is drawn in each
@@ -306,16 +296,19 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int,
       key: PRNG key.
       batch_size: ``M`` (static).
       beta: importance-sampling exponent in ``[0, 1]``.
+      search: how the slot search runs on this device (``Tuning.replay``, static); it changes
+        the speed, not the draw.
 
     Returns:
       items ``[M, ...]``, indices ``[M] int32``, weights ``[M] float32`` equal to
       ``(size * P(i)) ** -beta / max_batch (size * P(j)) ** -beta``.
     """
-    items, indices, w = _draw(state, key, int(batch_size), beta)
+    items, indices, w = _draw(state, key, int(batch_size), beta, search)
     return items, indices, w / jnp.max(w)
 
 
-def _draw(state: ReplayState, key: jax.Array, m: int, beta) -> tuple[Any, jax.Array, jax.Array]:
+def _draw(state: ReplayState, key: jax.Array, m: int, beta,
+          search: ReplaySearch) -> tuple[Any, jax.Array, jax.Array]:
     """:func:`sample` before the weights are divided by their batch maximum."""
     k_u, k_v = jax.random.split(key)
     blocks, mass = _block_masses(state.priorities)
@@ -323,7 +316,7 @@ def _draw(state: ReplayState, key: jax.Array, m: int, beta) -> tuple[Any, jax.Ar
     total = cum[-1]
     strata = jnp.arange(m, dtype=jnp.float32) + jax.random.uniform(k_u, (m,), jnp.float32)
     u = strata * (total / m)  # one point in each of M equal segments of the mass
-    indices = _locate(blocks, cum, u, jax.random.uniform(k_v, (m,), jnp.float32))
+    indices = _locate(blocks, cum, u, jax.random.uniform(k_v, (m,), jnp.float32), search)
     items = jax.tree.map(lambda x: x[indices], state.items)
     prob = state.priorities[indices] / total
     w = jnp.power(state.size.astype(jnp.float32) * prob, -jnp.asarray(beta, jnp.float32))
@@ -395,11 +388,12 @@ def add_shards(state: ReplayState, items: Any, priorities: jax.Array | None = No
     return jax.vmap(lambda st, it, p: add(st, it, p, alpha, eps))(state, items, priorities)
 
 
-def sample_shards(state: ReplayState, key: jax.Array, batch_size: int,
-                  beta) -> tuple[Any, jax.Array, jax.Array]:
+def sample_shards(state: ReplayState, key: jax.Array, batch_size: int, beta,
+                  search: ReplaySearch = ReplaySearch()) -> tuple[Any, jax.Array, jax.Array]:
     """A global batch of ``M = batch_size``: ``M/S`` stratified draws from each shard.
 
-    Shard ``s`` samples like :func:`sample` with key ``fold_in(key, s)``. Its importance weight
+    Shard ``s`` samples like :func:`sample` (``search`` likewise) with key ``fold_in(key, s)``.
+    Its importance weight
     ``(size_s * P_s(i)) ** -beta`` equals the global one ``(S size_s * P_s(i) / S) ** -beta``
     (every shard holds the same count and gives ``M/S`` of the batch), and the weights are divided
     by their maximum over the whole batch.
@@ -407,11 +401,10 @@ def sample_shards(state: ReplayState, key: jax.Array, batch_size: int,
     Returns items ``[S, M/S, ...]``, indices ``[S, M/S] int32`` (slots of each shard), weights
     ``[S, M/S] float32``.
     """
-    from foxhunt_jax.parallel import shard_keys
-
     s = state.priorities.shape[0]
     m = _per_shard(int(batch_size), s, "train.batch_size")
-    items, indices, w = jax.vmap(lambda st, k: _draw(st, k, m, beta))(state, shard_keys(key, s))
+    items, indices, w = jax.vmap(lambda st, k: _draw(st, k, m, beta, search))(
+        state, shard_keys(key, s))
     return items, indices, w / jnp.max(w)
 
 
@@ -426,7 +419,7 @@ def update_priorities_shards(state: ReplayState, indices: jax.Array, priorities:
 # every add would copy all C slots). Donation works on CPU too in jax 0.10; after a call the
 # donated state must not be used again (`state = add_jit(state, ...)`).
 add_jit = jax.jit(add, donate_argnums=0)
-sample_jit = jax.jit(sample, static_argnames=("batch_size",))
+sample_jit = jax.jit(sample, static_argnames=("batch_size", "search"))
 update_priorities_jit = jax.jit(update_priorities, donate_argnums=0)
 
 __all__ = [

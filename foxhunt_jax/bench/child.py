@@ -91,7 +91,7 @@ def child_main(args) -> dict:
         tr.compile(state, queued=True)  # the programs of queued epochs, as the seed section's
         row = {"backend": backend, "dtype": dtype, "init_ms": init_ms,
                "compile_ms": tr.compile_ms, "executables_loaded": tr.executables_loaded,
-               "programs": len(tr._phases)}
+               "programs": len(tr.pipeline.programs)}
         if args.epochs > 0:
             tr.init_ms = tr.compile_ms = 0.0
             phases, _, _ = time_epochs(tr, state, args.epochs, args.warmup)

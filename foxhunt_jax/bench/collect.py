@@ -19,6 +19,7 @@ import numpy as np
 
 from foxhunt_jax.agent import replay
 from foxhunt_jax.agent.learner import init_agent, make_learner
+from foxhunt_jax.backend import resolve
 from foxhunt_jax.bench.common import (Deadline, build_trainer, format_rate, per_second, rel_err,
                                       spread, time_calls, variant_cfg)
 from foxhunt_jax.env import trading
@@ -28,11 +29,11 @@ from foxhunt_jax.training import collect
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
 
 
-def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = True,
+def make_rollout(learner, backend, adapter, env_params, num_steps: int, *, use_q: bool = True,
                  use_rnd: bool = True):
     """The collection loop alone: ``run(agent, rollout, key, epsilon) -> (rollout, traj)``.
 
-    :func:`foxhunt_jax.training.collect.trajectory` (Q-forward with the learner's backend,
+    :func:`foxhunt_jax.training.collect.trajectory` (Q-forward on ``backend``,
     per-branch epsilon-greedy, env step, auto-reset, the per-step transitions written out; one
     fused kernel with ``backend=pallas``) followed by the curiosity pass over the next
     observations as the collector runs it (:func:`~foxhunt_jax.training.collect.
@@ -46,10 +47,10 @@ def make_rollout(learner, adapter, env_params, num_steps: int, *, use_q: bool = 
         if not use_q:
             return trading.rollout(key, env_params, trading.random_policy(
                 learner.network.branch_sizes), rollout.obs.shape[0], num_steps)
-        rollout, traj = collect.trajectory(learner, adapter, env_params, agent.params, rollout,
-                                           key, epsilon, num_steps)
+        rollout, traj = collect.trajectory(learner, backend, adapter, env_params, agent.params,
+                                           rollout, key, epsilon, num_steps)
         if use_rnd and agent.rnd is not None:
-            traj = dict(traj, novelty=collect.trajectory_novelty(learner, adapter, env_params,
+            traj = dict(traj, novelty=collect.trajectory_novelty(backend, adapter, env_params,
                                                                  agent.rnd, traj["next_obs"]))
         return rollout, traj
 
@@ -90,7 +91,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                 out.setdefault("skipped", []).append(f"N={n} {backend}/{dtype}: time budget")
                 continue
             cfg = variant_cfg(args, backend, dtype, [f"train.num_episodes={n}"])
-            learner = make_learner(cfg, cfg.env.branch_sizes)
+            resolved = resolve(cfg.network)
+            learner = make_learner(cfg, cfg.env.branch_sizes,
+                                   replay_search=resolved.tuning.replay)
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
             kinds = [("rollout", dict(use_q=True, use_rnd=True))]
@@ -100,7 +103,8 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
             for kind, flags in kinds:
                 row = {"n": n, "backend": backend, "dtype": dtype, "kind": kind}
                 try:
-                    run = jit(make_rollout(learner, TRADING_ADAPTER, env_p, length, **flags))
+                    run = jit(make_rollout(learner, resolved, TRADING_ADAPTER, env_p, length,
+                                           **flags))
                     keys, eps_d = call_inputs(jax.random.key(args.seed + 7), reps + 2, eps)
                     ms = time_calls(lambda: run(agent, rollout0, next(keys), eps_d), reps,
                                     warmup=1)
@@ -129,9 +133,9 @@ def section_collect(args, out: dict, deadline: Deadline, market, seed_rows: list
                     example["next_obs"] = example["obs"]
                     buf = replay.init(example, cap)
 
-                    def phase(agent, rollout, buf, key, e, _l=learner):
+                    def phase(agent, rollout, buf, key, e, _l=learner, _b=resolved):
                         r2, items, prio, rnd, stats = collect.collect(
-                            _l, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
+                            _l, _b, TRADING_ADAPTER, env_p, agent, rollout, key, e, length)
                         return r2, replay.add(buf, items, prio, cfg.replay.alpha,
                                               cfg.replay.priority_eps), stats
 
@@ -189,8 +193,8 @@ def rollout_equality(args, market, n: int) -> dict:
         if agent is None:
             agent = jit(lambda k, _l=learner: init_agent(k, _l, tr.obs_dim))(
                 jax.random.key(args.seed))
-        run = jit(lambda a, r, k, _l=learner: collect.trajectory(
-            _l, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
+        run = jit(lambda a, r, k, _l=learner, _b=resolve(c.network): collect.trajectory(
+            _l, _b, TRADING_ADAPTER, env_p, a.params, r, k, jnp.float32(0.1), length)[1])
         trajs[backend] = jax.device_get(run(agent, rollout, jax.random.key(args.seed + 1)))
     ref, got = trajs["xla"], trajs["pallas"]
     same = np.all(ref["action"] == got["action"], axis=(0, 2))  # [N]

@@ -19,7 +19,8 @@ from foxhunt_jax.config import load_config
 from foxhunt_jax.data.features import build_tables
 from foxhunt_jax.env.trading import PORTFOLIO_DIM
 from foxhunt_jax.training.trainer import Trainer
-from pallas_kernels.q_forward import LAYOUTS, KernelConfig
+from pallas_kernels.q_forward import LAYOUTS
+from pallas_kernels.tuning import KernelConfig
 
 # the folder holding the running foxhunt_jax package (a checkout or site-packages): child
 # processes put it first on their path so that they import the same code
@@ -157,6 +158,6 @@ def rel_err(got, ref) -> float:
 
 def obs_dim_of(cfg, market) -> int:
     """The observation width of ``cfg``'s features on ``market`` plus the portfolio's."""
-    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length, cfg.data.features)
     return int(tables.features.shape[1]) + PORTFOLIO_DIM
 

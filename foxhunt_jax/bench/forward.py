@@ -16,16 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from foxhunt_jax import backend
 from foxhunt_jax.agent import curiosity
-from foxhunt_jax.agent.loss import bootstrap_loss
-from foxhunt_jax.agent.network import (act, explore_draws, make_network, q_forward, support,
-                                       taken_logits)
+from foxhunt_jax.agent.network import explore_draws, make_network, q_forward, support
 from foxhunt_jax.bench.common import (Deadline, kernel_config_name, obs_dim_of, per_second,
                                       rel_err, spread, time_calls, variant_cfg)
 from foxhunt_jax.jitcache import jit
 from pallas_kernels import rnd as rnd_kernel
-from pallas_kernels.q_forward import (KernelConfig, default_config, forward_flops,
-                                      fused_q_forward)
+from pallas_kernels.q_forward import forward_flops, fused_q_forward
+from pallas_kernels.tuning import KernelConfig, for_device
 
 
 def section_forward(args, out: dict, deadline: Deadline, market) -> None:
@@ -53,7 +52,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
                                     jnp.float32) * 2.0
         # Both backends are timed returning expected Q and actions (one Pallas program per
         # launch shape serves the check and the timing; writing Q is ~64 B a row).
-        f_xla = jit(lambda p, o: q_forward(p, o, net, z, "xla", with_q=True))
+        f_xla = jit(lambda p, o: q_forward(p, o, net, z, with_q=True))
         ref_q, ref_a = f_xla(params, obs_chk)
         ref_q = np.concatenate([np.asarray(x) for x in ref_q], axis=1)
         ref_a = np.asarray(ref_a)
@@ -67,7 +66,7 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             # the float32 kernel is slower than XLA's forward and its Triton compile is long
             out.setdefault("skipped", []).append("pallas/float32: --forward-f32-kernel not set")
             continue
-        default = default_config(dtype)
+        default = for_device().q_forward_config(dtype)
         for kc in [default] + [c for c in args.kernel_configs if c != default]:
             name = kernel_config_name(kc)
             if not deadline.ok(30):
@@ -106,13 +105,18 @@ def section_forward(args, out: dict, deadline: Deadline, market) -> None:
             loss_rows(out, net, params, z, obs_chk, inputs, reps, flops)
 
 
+def named_backends() -> dict:
+    """Both backends on this device, by name, for the rows that time them side by side."""
+    return {name: backend.make(name, for_device()) for name in backend.NAMES}
+
+
 def logits_rows(out: dict, net, params, obs_chk, inputs: dict, reps: int, flops: int) -> None:
     """The forward of the loss's no-gradient callers (initial priorities, validation loss):
     each branch's logits of given actions (``taken_logits``) on XLA (Flax) against the fused
     kernel (default launch shape), timed at each N, and their largest relative difference on
     the fresh inputs."""
-    fns = {b: jit(lambda p, o, a, _b=b: taken_logits(p, o, a, net, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, a, _b=be: _b.taken_logits(p, o, a, net))
+           for b, be in named_backends().items()}
 
     def actions(n, seed):  # fresh uniform actions per branch
         keys = jax.random.split(jax.random.key(seed), len(net.branch_sizes))
@@ -131,7 +135,8 @@ def act_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops:
     action taken under explore draws at epsilon 0.1) on XLA against the fused kernel, timed at
     each N; on the fresh inputs, the greedy actions that differ and the largest relative
     difference of the taken logits where both took the same actions."""
-    fns = {b: jit(lambda p, o, r, _b=b: act(p, o, r, net, z, _b)) for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, r, _b=be: _b.act(p, o, r, net, z))
+           for b, be in named_backends().items()}
 
     def draws(n, seed):
         return explore_draws(jax.random.key(seed), n, net.branch_sizes, 0.1)
@@ -160,8 +165,8 @@ def loss_rows(out: dict, net, params, z, obs_chk, inputs: dict, reps: int, flops
     logits), as the initial priorities and the validation loss run it, on XLA against the
     fused kernel, timed at each N; the largest relative difference on fresh inputs (returns
     spread over the support, a fifth of the rows terminated)."""
-    fns = {b: jit(lambda p, o, a, _b=b: bootstrap_loss(p, o, *a, net, z, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda p, o, a, _b=be: _b.bootstrap_loss(p, o, *a, net, z))
+           for b, be in named_backends().items()}
 
     def loss_inputs(n, seed):
         nb = len(net.branch_sizes)
@@ -188,15 +193,15 @@ def curiosity_rows(out: dict, cfg, obs_chk, inputs: dict, reps: int, seed: int,
     d = int(obs_chk.shape[1])
     rnd = curiosity.init(jax.random.key(seed + 3), d, c)
     flops = 2 * 2 * (d * c.hidden + c.hidden * c.hidden + c.hidden * c.embed)
-    fns = {b: jit(lambda r, o, _, _b=b: curiosity.prediction_error(r, o, _b))
-           for b in ("xla", "pallas")}
+    fns = {b: jit(lambda r, o, _, _b=be: _b.novelty(r, o))
+           for b, be in named_backends().items()}
     to_f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     check_and_time(out, fns, rnd, obs_chk, inputs, lambda n, s: None, (17, 18), reps, flops,
                    "bfloat16", "curiosity", "curiosity pass (bf16 x3)", to_f64,
                    "novelty_rel_err", "XLA")
     shapes = {KernelConfig(block_rows=kc.block_rows, num_warps=kc.num_warps,
                            min_rows=kc.min_rows, min_warps=min(kc.num_warps, 4))
-              for kc in kernel_configs} - {rnd_kernel.DEFAULT_CONFIG}
+              for kc in kernel_configs} - {for_device().rnd}
     for kc in sorted(shapes, key=lambda k: (k.block_rows, k.num_warps, k.min_rows)):
         name = f"rnd:{kc.block_rows}:{kc.num_warps}:{kc.min_rows}"
         shaped = jit(lambda r, o, _, _kc=kc: rnd_kernel.prediction_error(

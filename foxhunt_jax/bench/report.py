@@ -8,11 +8,13 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from foxhunt_jax.bench.common import SHORT_DTYPE, format_rate, vname
 from foxhunt_jax.bench.options import SECTIONS
 from foxhunt_jax.bench.train import seed_train_rows
 from foxhunt_jax.config import load_config
+from foxhunt_jax.errors import FoxhuntError
 
 
 def roofline(res: dict, args) -> dict:
@@ -230,16 +232,56 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
     return res
 
 
+def check_bench_json(obj: Any, path: str) -> dict:
+    """``obj`` if it is a result this command wrote (an object with a ``meta`` object holding
+    commit, date and command, and at least one section, each an object); else FoxhuntError
+    naming ``path``."""
+    def refuse(why: str):
+        raise FoxhuntError(f"bench --merge: {path} is not a bench result JSON: {why}")
+
+    if not isinstance(obj, dict):
+        refuse(f"it holds a JSON {type(obj).__name__}, not an object")
+    meta = obj.get("meta")
+    if not isinstance(meta, dict):
+        refuse("no 'meta' object")
+    missing = [k for k in ("commit", "date", "command") if k not in meta]
+    if missing:
+        refuse(f"'meta' lacks {', '.join(missing)}")
+    sections = [name for name in SECTIONS if name in obj]
+    if not sections:
+        refuse(f"no section ({', '.join(SECTIONS)})")
+    for name in sections:
+        if not isinstance(obj[name], dict):
+            refuse(f"section '{name}' is not an object")
+    return obj
+
+
+def read_bench_json(path: str) -> dict:
+    """One ``--merge`` input: a regular file holding valid JSON that passes
+    :func:`check_bench_json`; every failure is one FoxhuntError naming the file."""
+    p = Path(path)
+    if not p.is_file():  # is_file is False for a FIFO or device too, which must not be read
+        why = "no such file" if not p.exists() else "not a regular file"
+        raise FoxhuntError(f"bench --merge: cannot read {path}: {why}")
+    try:
+        obj = json.loads(p.read_bytes())
+    except OSError as e:
+        raise FoxhuntError(f"bench --merge: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise FoxhuntError(f"bench --merge: {path} is not valid JSON: {e}") from None
+    return check_bench_json(obj, path)
+
+
 def run_merge(args) -> dict:
     """``--merge A.json B.json ...``: :func:`merge`, its tables printed, written to ``--json``."""
-    parts = []
-    for f in args.merge:
-        try:
-            parts.append((Path(f).name, json.loads(Path(f).read_text())))
-        except (OSError, json.JSONDecodeError) as e:
-            raise SystemExit(f"error: bench --merge: cannot read {f}: {e}") from None
-    res = merge(parts)
-    print(tables(res), flush=True)
+    parts = [(Path(f).name, read_bench_json(f)) for f in args.merge]
+    try:
+        res = merge(parts)
+        text = tables(res)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of another format
+        raise FoxhuntError(f"bench --merge: {', '.join(args.merge)}: not the results of this "
+                           f"version of the bench ({type(e).__name__}: {e})") from None
+    print(text, flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))

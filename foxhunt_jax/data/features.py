@@ -1,17 +1,26 @@
 """Per-bar features, time splits and normalization: MarketData -> MarketTables (host NumPy).
 
-Every feature of bar ``t`` is a function of the bars ``t - 63 .. t`` of its own instrument only,
-so nothing reads the future. The first ``WARMUP`` (64) bars of each instrument lack a full
-history and are dropped. The remaining rows of each instrument are split by time into train,
-validation and test; features are normalized with the mean and std of the train rows of all
-instruments pooled (so nothing about validation or test leaks into the train inputs), then
-clipped to [-10, 10]. Instruments are concatenated into one table so that an episode gathers
-its row with a single index.
+A run's features are the names of the config key ``data.features`` (default
+:data:`DEFAULT_FEATURES`, the 34 built-in ones in their historical order), looked up in a
+registry: the built-in features below, and any a library user adds with :func:`register`
+(docs/features.md). The order of the names is the order of the feature columns, ``F`` their
+count.
 
-Feature list (F = 34, all float64 before normalization; ``r`` = one-bar log return of Close):
+The no-look-ahead contract: every feature of bar ``t`` is a function of the bars ``<= t`` of its
+own instrument only (:func:`check_no_lookahead` tests one feature for it). A feature's
+``window`` is the number of bars its value reads, bar ``t`` included; it is at most
+``WARMUP + 1``. The first ``WARMUP`` (64) bars of each instrument lack a full history and are
+dropped. The remaining rows of each instrument are split by time into train, validation and
+test; features are normalized with the mean and std of the train rows of all instruments pooled
+(so nothing about validation or test leaks into the train inputs), then clipped to [-10, 10].
+Instruments are concatenated into one table so that an episode gathers its row with a single
+index.
 
-- ``ret_1`` (feature 0; the synthetic market plants its signal here), ``ret_2``, ``ret_5``,
-  ``ret_10``, ``ret_20``, ``ret_60``: log(C_t / C_{t-n});
+Built-in features (float64 before normalization; ``r`` = one-bar log return of Close; the
+registry holds each one's meaning and window, :func:`registered` lists them):
+
+- ``ret_1`` (the synthetic market plants its signal here), ``ret_2``, ``ret_5``, ``ret_10``,
+  ``ret_20``, ``ret_60``: log(C_t / C_{t-n});
 - ``ret_1_lag1`` .. ``ret_1_lag4``: r_{t-k};
 - ``vol_5``, ``vol_10``, ``vol_20``, ``vol_60``: std (ddof 0) of r over the last n bars;
 - ``vol_ratio_5_60``, ``vol_ratio_20_60``: log(vol_n / vol_60) (0 when either is 0);
@@ -33,31 +42,70 @@ t, floored at 1e-4. ``last_log_return[t]`` is the raw r_t (for the oracle and bu
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem
 from foxhunt_jax.data.market import WARMUP_BARS, Instrument, MarketData, split_sizes
 
 WARMUP = WARMUP_BARS  # bars dropped per instrument: the longest window (61 closes) plus margin
+MAX_WINDOW = WARMUP + 1  # the first kept bar (index WARMUP) has WARMUP + 1 bars up to it
 SPLITS = ("train", "validation", "test")
 SIGMA_WINDOW = 20
 SIGMA_FLOOR = 1e-4
 STD_FLOOR = 1e-8
 CLIP = 10.0
 _CHUNK = 1 << 15  # rows per block in rolling reductions, bounds the [rows, window] temporaries
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # no glob characters: a name never is a pattern
 
-FEATURE_NAMES: tuple[str, ...] = (
-    "ret_1", "ret_2", "ret_5", "ret_10", "ret_20", "ret_60",
-    "ret_1_lag1", "ret_1_lag2", "ret_1_lag3", "ret_1_lag4",
-    "vol_5", "vol_10", "vol_20", "vol_60",
-    "vol_ratio_5_60", "vol_ratio_20_60", "ret_1_z",
-    "bar_pos", "bar_range", "bar_body", "upper_wick", "lower_wick", "gap",
-    "range_pos_20", "range_pos_60", "range_vol_20", "high_dist_60", "low_dist_60",
-    "volume_z_20", "volume_z_60",
-    "ma_gap_5", "ma_gap_10", "ma_gap_20", "ma_gap_50",
-)
+# name: (window in bars, bar t included; one-line meaning). The order is DEFAULT_FEATURES'.
+_BUILTIN: dict[str, tuple[int, str]] = {
+    **{f"ret_{n}": (n + 1, f"log(C_t / C_(t-{n})): the {n}-bar log return")
+       for n in (1, 2, 5, 10, 20, 60)},
+    **{f"ret_1_lag{k}": (k + 2, f"r_(t-{k}): the one-bar log return of bar t-{k}")
+       for k in (1, 2, 3, 4)},
+    **{f"vol_{n}": (n + 1, f"std (ddof 0) of the one-bar log returns over {n} bars")
+       for n in (5, 10, 20, 60)},
+    **{f"vol_ratio_{n}_60": (61, f"log(vol_{n} / vol_60), 0 when either is 0") for n in (5, 20)},
+    "ret_1_z": (21, "r_t / vol_20, 0 when vol_20 is 0"),
+    "bar_pos": (1, "(C - L) / (H - L), 0.5 when H == L: where the bar closed in its range"),
+    "bar_range": (1, "log(H / L)"),
+    "bar_body": (1, "log(C / O)"),
+    "upper_wick": (1, "log(H / max(O, C))"),
+    "lower_wick": (1, "log(min(O, C) / L)"),
+    "gap": (2, "log(O_t / C_(t-1)): the opening gap"),
+    **{f"range_pos_{n}": (n, f"(C - min L) / (max H - min L) over {n} bars, 0.5 when "
+                             "max H == min L") for n in (20, 60)},
+    "range_vol_20": (20, "mean of log(H / L) over 20 bars"),
+    "high_dist_60": (60, "log(C / max H over 60 bars)"),
+    "low_dist_60": (60, "log(C / min L over 60 bars)"),
+    **{f"volume_z_{n}": (n, f"z-score of log(1 + V_t) against {n} bars, 0 when their std is 0")
+       for n in (20, 60)},
+    **{f"ma_gap_{n}": (n, f"log(C / SMA_{n}(C)): distance to the {n}-bar moving average")
+       for n in (5, 10, 20, 50)},
+}
+
+DEFAULT_FEATURES: tuple[str, ...] = tuple(_BUILTIN)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One registered feature. ``fn(bars) -> [n]`` maps an instrument's bars (an
+    :class:`~foxhunt_jax.data.market.Instrument`, oldest first) to one float per bar, the value
+    at bar t from bars <= t only; ``window``: the bars a value reads, bar t included (values
+    before bar ``window - 1`` may be NaN); ``builtin``: defined by this module."""
+
+    name: str
+    window: int
+    meaning: str
+    fn: Callable[[Instrument], np.ndarray]
+    builtin: bool
 
 
 @dataclass(frozen=True)
@@ -70,6 +118,7 @@ class MarketTables:
     segments[split] int64 [n_instruments, 2]: first and last global row of that split of each
     instrument, inclusive (an empty segment has last = first - 1);
     starts[split] int32 [S]: valid episode starts (bars s .. s + episode_length in one segment);
+    feature_names [F]: the registered features of the columns, in order;
     norm_mean, norm_std float32 [F]: the statistics applied (train rows only).
     """
 
@@ -154,13 +203,15 @@ def rolling_sigma(close: np.ndarray) -> np.ndarray:
     return np.maximum(_std(log_returns(close), SIGMA_WINDOW), SIGMA_FLOOR)
 
 
-def instrument_features(ins: Instrument) -> np.ndarray:
-    """Raw (un-normalized) features of one instrument: [n] bars -> [n, F] float64.
 
-    Row t uses bars <= t only; rows t < WARMUP may hold NaN (dropped by build_tables).
+def builtin_columns(bars) -> dict[str, np.ndarray]:
+    """Every built-in feature of one instrument, raw (un-normalized): name -> [n] float64.
+
+    ``bars`` has ``open``, ``high``, ``low``, ``close``, ``volume`` arrays [n], oldest first.
+    Row t uses bars <= t only; rows t < window - 1 hold NaN.
     """
-    o, h, lo, c = (np.asarray(a, np.float64) for a in (ins.open, ins.high, ins.low, ins.close))
-    v = np.asarray(ins.volume, np.float64)
+    o, h, lo, c = (np.asarray(a, np.float64) for a in (bars.open, bars.high, bars.low, bars.close))
+    v = np.asarray(bars.volume, np.float64)
     logc = np.log(c)
     r = log_returns(c)
     cols: dict[str, np.ndarray] = {}
@@ -195,10 +246,228 @@ def instrument_features(ins: Instrument) -> np.ndarray:
         cols[f"volume_z_{n}"] = _safe_div(lv - _mean(lv, n), _std(lv, n), 0.0)
     for n in (5, 10, 20, 50):
         cols[f"ma_gap_{n}"] = logc - np.log(_mean(c, n))
-    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1)
+    return cols
+
+
+def _builtin_column(name: str, bars) -> np.ndarray:
+    return builtin_columns(bars)[name]
 
 
 # ---------------------------------------------------------------------------------------------
+# The registry: built-in features first, then user ones in the order they were registered.
+
+_REGISTRY: dict[str, Feature] = {
+    name: Feature(name, window, meaning, functools.partial(_builtin_column, name), True)
+    for name, (window, meaning) in _BUILTIN.items()}
+
+
+def register(name: str, fn: Callable[[Instrument], np.ndarray], window: int,
+             meaning: str = "") -> Feature:
+    """Adds a user feature that ``data.features`` may then name (register it before the config
+    is loaded, in every process that trains, evaluates or acts on a run that uses it).
+
+    ``fn(bars)``: ``bars`` is one instrument's :class:`~foxhunt_jax.data.market.Instrument`
+    (``open``, ``high``, ``low``, ``close``, ``volume`` float64 arrays [n], ``timestamps``,
+    oldest first; ``bars.frame()`` gives them as a pandas DataFrame; read-only) and the result
+    is one float per bar ([n]), the value at bar t computed from bars <= t only
+    (:func:`check_no_lookahead` tests it). ``window``: bars a value reads, bar t included,
+    1 .. ``MAX_WINDOW`` (65); values from bar ``window - 1`` on must be finite on valid bars.
+    ConfigError for a taken or malformed name, a window out of range or a non-callable ``fn``.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(f"feature name {name!r} must be a letter followed by letters, digits "
+                          "or underscores")
+    if name in _REGISTRY:
+        kind = "built-in" if _REGISTRY[name].builtin else "registered"
+        raise ConfigError(f"feature '{name}' is already {kind} (unregister a user feature first)")
+    if not callable(fn):
+        raise ConfigError(f"feature '{name}': fn must be callable, got {type(fn).__name__}")
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not (
+            1 <= window <= MAX_WINDOW):
+        raise ConfigError(f"feature '{name}': window must be an integer in 1..{MAX_WINDOW} "
+                          f"(the {WARMUP}-bar warm-up plus the bar itself), got {window!r}")
+    feat = Feature(name, int(window), str(meaning), fn, False)
+    _REGISTRY[name] = feat
+    return feat
+
+
+def unregister(name: str) -> None:
+    """Removes a user feature (ConfigError for a built-in or unknown name)."""
+    if name not in _REGISTRY or _REGISTRY[name].builtin:
+        raise ConfigError(f"'{name}' is not a registered user feature")
+    del _REGISTRY[name]
+
+
+def registered() -> tuple[Feature, ...]:
+    """Every feature ``data.features`` may name: the built-in ones, then the user ones."""
+    return tuple(_REGISTRY.values())
+
+
+def feature(name: str) -> Feature:
+    """The registered feature ``name`` (ConfigError listing the choices when there is none)."""
+    return _REGISTRY[resolve_features([name], "features")[0]]
+
+
+def resolve_features(entries: Sequence[str], where: str = "config key 'data.features'"
+                     ) -> tuple[str, ...]:
+    """Feature names and glob patterns (``vol_*``; a pattern expands to every registered name
+    it matches, in registry order) -> the names, in order. ConfigError starting with ``where``
+    for an empty list, an unknown name, a pattern that matches nothing, or a name given twice."""
+    if isinstance(entries, str):
+        entries = [entries]
+    out: list[str] = []
+    for entry in entries:
+        if any(ch in entry for ch in "*?["):
+            found = [n for n in _REGISTRY if fnmatch.fnmatchcase(n, entry)]
+        else:
+            found = [entry] if entry in _REGISTRY else []
+        if not found:
+            what = "pattern" if any(ch in entry for ch in "*?[") else "feature"
+            raise ConfigError(f"{where}: unknown {what} '{entry}' (choices: "
+                              f"{', '.join(_REGISTRY)}; user features need "
+                              "foxhunt_jax.data.features.register first)")
+        for name in found:
+            if name in out:
+                raise ConfigError(f"{where} names feature '{name}' twice")
+            out.append(name)
+    if not out:
+        raise ConfigError(f"{where} must name at least one feature")
+    return tuple(out)
+
+
+def _read_only(ins: Instrument) -> Instrument:
+    """The instrument with float64 read-only views of its columns (a user function may not
+    write into the bars the tables are built from)."""
+    def view(a, dtype):
+        out = np.asarray(a, dtype).view()
+        out.flags.writeable = False
+        return out
+    cols = {k: view(getattr(ins, k), np.float64) for k in ("open", "high", "low", "close",
+                                                          "volume")}
+    return Instrument(ins.name, ins.source, view(ins.timestamps, "datetime64[ns]"), **cols)
+
+
+def _user_column(feat: Feature, ins: Instrument) -> np.ndarray:
+    n = len(ins)
+    values = np.asarray(feat.fn(_read_only(ins)), np.float64)
+    if values.shape != (n,):
+        raise ConfigError(f"feature '{feat.name}' returned shape {values.shape} for {n} bars, "
+                          f"expected ({n},)")
+    return values
+
+
+def instrument_features(ins: Instrument, names: Sequence[str] = DEFAULT_FEATURES) -> np.ndarray:
+    """Raw (un-normalized) features ``names`` of one instrument: [n] bars -> [n, F] float64.
+
+    Row t uses bars <= t only; rows t < WARMUP may hold NaN (dropped by build_tables).
+    """
+    feats = [_REGISTRY[name] for name in resolve_features(names, "features")]
+    builtin = builtin_columns(ins) if any(f.builtin for f in feats) else {}
+    return np.stack([builtin[f.name] if f.builtin else _user_column(f, ins) for f in feats],
+                    axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The no-look-ahead check
+
+
+class LookAheadError(AssertionError):
+    """A feature whose past values change when later bars change (or are absent)."""
+
+
+def random_bars(n: int = 300, seed: int = 0, name: str = "random") -> Instrument:
+    """A geometric random walk of ``n`` daily bars with consistent OHLC and positive volume."""
+    rng = np.random.default_rng(seed)
+    r = rng.normal(0.0002, 0.01, n)
+    close = 100.0 * np.exp(np.cumsum(r))
+    prev = np.concatenate([[close[0] * np.exp(-r[0])], close[:-1]])
+    open_ = prev * np.exp(rng.normal(0, 0.0025, n))
+    high = np.maximum(open_, close) * np.exp(np.abs(rng.normal(0, 0.005, n)))
+    low = np.minimum(open_, close) * np.exp(-np.abs(rng.normal(0, 0.005, n)))
+    stamps = np.datetime64("2001-01-01", "ns") + np.arange(n) * np.timedelta64(1, "D")
+    return Instrument(name, f"random:{seed}", stamps, open_, high, low, close,
+                      rng.lognormal(12, 0.5, n))
+
+
+def _new_future(ins: Instrument, t: int, rng: np.random.Generator) -> Instrument:
+    """``ins`` with bars t+1.. replaced by another walk (other level, volatility and volume)."""
+    cols = {k: np.array(getattr(ins, k), np.float64) for k in ("open", "high", "low", "close",
+                                                               "volume")}
+    m = len(ins) - t - 1
+    close = cols["close"][t] * 1.5 * np.exp(np.cumsum(rng.normal(0, 0.03, m)))
+    open_ = close * np.exp(rng.normal(0, 0.01, m))
+    cols["close"][t + 1:], cols["open"][t + 1:] = close, open_
+    cols["high"][t + 1:] = np.maximum(open_, close) * 1.02
+    cols["low"][t + 1:] = np.minimum(open_, close) * 0.98
+    cols["volume"][t + 1:] = rng.lognormal(14, 1.0, m)
+    return Instrument(ins.name, ins.source, ins.timestamps, **cols)
+
+
+def _cut(ins: Instrument, t: int) -> Instrument:
+    """``ins`` up to bar t, inclusive."""
+    cols = {k: np.asarray(getattr(ins, k))[: t + 1] for k in ("timestamps", "open", "high",
+                                                             "low", "close", "volume")}
+    return Instrument(ins.name, ins.source, **cols)
+
+
+def check_no_lookahead(name: str, bars: Instrument | None = None, cuts: int = 6,
+                       seed: int = 0) -> None:
+    """Tests the registered feature ``name`` for the no-look-ahead contract on ``bars``
+    (default :func:`random_bars`): at ``cuts`` bars t (the first one ``window - 1``), its values
+    at bars <= t must be bit-identical when bars t+1.. are replaced by others and when they are
+    absent, and they must be finite from bar ``window - 1`` on.
+
+    Raises :class:`LookAheadError` naming the feature and the first bar that differs.
+    """
+    feat = feature(name)
+    ins = random_bars(seed=seed) if bars is None else bars
+    n = len(ins)
+    if n < feat.window + 2:
+        raise ConfigError(f"check_no_lookahead: {n} bars, feature '{name}' needs at least "
+                          f"{feat.window + 2}")
+    column = lambda b: instrument_features(b, (name,))[:, 0]  # noqa: E731
+    with np.errstate(divide="ignore", invalid="ignore"):
+        base = column(ins)
+    bad = np.flatnonzero(~np.isfinite(base[feat.window - 1:]))
+    if bad.size:
+        raise LookAheadError(f"feature '{name}' is not finite at bar {feat.window - 1 + bad[0]} "
+                             f"(window {feat.window}: values from bar {feat.window - 1} on must "
+                             "be finite)")
+    rng = np.random.default_rng(seed + 1)
+    first = feat.window - 1
+    points = sorted({first, *(int(t) for t in rng.integers(first, n - 1, max(cuts - 1, 0)))})
+    for t in points:
+        for how, other in (("replaced", _new_future(ins, t, rng)), ("absent", _cut(ins, t))):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                got = column(other)[: t + 1]
+            same = (got == base[: t + 1]) | (np.isnan(got) & np.isnan(base[: t + 1]))
+            if not np.all(same):
+                k = int(np.flatnonzero(~same)[0])
+                raise LookAheadError(
+                    f"feature '{name}' looks ahead: its value at bar {k} changes from "
+                    f"{float(base[k])!r} to {float(got[k])!r} when the bars after bar {t} "
+                    f"are {how}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def tables_peak_bytes(total_bars: int, largest_instrument_bars: int,
+                      num_features: int = len(DEFAULT_FEATURES), num_user: int = 0) -> int:
+    """Upper bound of the host bytes :func:`build_tables` holds at its peak for a market of
+    ``total_bars`` bars whose largest instrument has ``largest_instrument_bars``, with
+    ``num_features`` features, ``num_user`` of them user features (none holding more memory
+    than its own column).
+
+    Kept for every bar: the raw float64 and normalized float32 features, the float64 and
+    float32 prices, sigma and last return in float64 and float32, instrument and timestamp
+    (twice). Held for the one instrument being built: every built-in column, the user columns,
+    their stacked copy and about 16 float64 intermediates (windows, logs, returns).
+    """
+    f = int(num_features)
+    per_bar = f * 8 + f * 4 + 4 * 8 + 4 * 4 + 2 * 8 + 2 * 4 + 2 * 4 + 2 * 8
+    per_instrument_bar = (len(DEFAULT_FEATURES) + int(num_user) + f) * 8 + 16 * 8
+    return per_bar * int(total_bars) + per_instrument_bar * int(largest_instrument_bars)
 
 
 def _check_args(splits, episode_length) -> None:
@@ -229,13 +498,31 @@ def _train_stats(raw: list, train: list) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float32), np.maximum(np.sqrt(var), STD_FLOOR).astype(np.float32)
 
 
-def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: int = 100
-                 ) -> MarketTables:
-    """Features, splits, normalization and valid starts of all instruments (see module doc).
+def normalize(raw: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Raw features [..., F] -> float32 ``clip((raw - mean) / std, -10, 10)``, computed in
+    float64 with the float32 statistics ``mean``, ``std`` [F] (the training run's)."""
+    m64 = np.asarray(mean, np.float32).astype(np.float64)
+    s64 = np.asarray(std, np.float32).astype(np.float64)
+    return np.clip((np.asarray(raw, np.float64) - m64) / s64, -CLIP, CLIP).astype(np.float32)
 
-    Raises DataError when a split has no valid episode start in any instrument.
+
+def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: int = 100,
+                 features: Sequence[str] = DEFAULT_FEATURES) -> MarketTables:
+    """Features ``features`` (registered names or patterns, :func:`resolve_features`),
+    splits, normalization and valid starts of all instruments (see module doc).
+
+    Raises DataError when an instrument breaks the price rule of
+    :func:`foxhunt_jax.data.checks.first_price_problem` (the loader's rule, applied here to
+    markets built in memory too) or a split has no valid episode start in any instrument.
     """
     _check_args(splits, episode_length)
+    names = resolve_features(features, "features")
+    for ins in market.instruments:
+        problem = first_price_problem(ins.open, ins.high, ins.low, ins.close)
+        if problem is not None:
+            when = str(np.datetime64(ins.timestamps[problem.index], "s")).replace("T", " ")
+            raise DataError(ins.source, f"instrument {ins.name}, bar {problem.index} ({when}): "
+                                        f"{problem.message} ({PRICE_RULE})")
     L = int(episode_length)
     raw, sig, lr, prices, inst, stamps, train_local = [], [], [], [], [], [], []
     segments = {s: [] for s in SPLITS}
@@ -245,7 +532,7 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
         keep = slice(WARMUP, None)
         rows = max(len(ins) - WARMUP, 0)
         with np.errstate(divide="ignore", invalid="ignore"):  # bad prices: reported below
-            raw.append(instrument_features(ins)[keep])
+            raw.append(instrument_features(ins, names)[keep])
             sig.append(rolling_sigma(np.asarray(ins.close, np.float64))[keep])
             lr.append(log_returns(np.asarray(ins.close, np.float64))[keep])
         prices.append(np.stack([np.asarray(a, np.float64)[keep]
@@ -271,14 +558,13 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
     for ins, x in zip(market.instruments, raw):
         if not np.all(np.isfinite(x)):
             row, col = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
-            raise DataError(ins.source, f"feature '{FEATURE_NAMES[col]}' is not finite at bar "
-                            f"{row + WARMUP} of instrument {ins.name} (non-positive prices?)")
+            raise DataError(ins.source, f"feature '{names[col]}' is not finite at bar "
+                            f"{row + WARMUP} of instrument {ins.name}")
     mean, std = _train_stats(raw, train_local)
-    normed = np.empty((offset, len(FEATURE_NAMES)), np.float32)
-    m64, s64 = mean.astype(np.float64), std.astype(np.float64)
+    normed = np.empty((offset, len(names)), np.float32)
     row = 0
     for x in raw:  # per instrument, so no float64 copy of the whole table is made
-        normed[row: row + len(x)] = np.clip((x - m64) / s64, -CLIP, CLIP)
+        normed[row: row + len(x)] = normalize(x, mean, std)
         row += len(x)
     p = np.concatenate(prices, axis=1).astype(np.float32)
     return MarketTables(
@@ -290,7 +576,7 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
         timestamps=np.concatenate(stamps),
         segments=seg,
         starts={k: np.concatenate(v).astype(np.int32) for k, v in starts.items()},
-        feature_names=FEATURE_NAMES,
+        feature_names=names,
         norm_mean=mean,
         norm_std=std,
         instrument_names=tuple(ins.name for ins in market.instruments),
@@ -300,5 +586,8 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
     )
 
 
-__all__ = ["MarketTables", "build_tables", "instrument_features", "rolling_sigma", "log_returns",
-           "split_bounds", "FEATURE_NAMES", "WARMUP", "SPLITS"]
+__all__ = ["MarketTables", "Feature", "LookAheadError", "build_tables", "normalize",
+           "instrument_features", "builtin_columns", "register", "unregister", "registered",
+           "feature", "resolve_features", "check_no_lookahead", "random_bars", "rolling_sigma",
+           "log_returns", "split_bounds", "tables_peak_bytes", "DEFAULT_FEATURES", "MAX_WINDOW",
+           "WARMUP", "SPLITS"]

@@ -17,6 +17,11 @@ underscores and dots: a time column (``Date``, ``Datetime``, ``Time`` or ``Times
 Every problem raises :class:`~foxhunt_jax.errors.DataError` naming the file, the column and the
 row. Rows are 1-based data rows as in the file: row 1 is the first data row after the header
 (for Parquet, the first row of the table). Blank lines in a CSV count as rows but are ignored.
+Only regular files are read: a directory, FIFO, socket or device is refused before it is opened.
+Prices must pass :func:`foxhunt_jax.data.checks.first_price_problem` (finite, within
+[1e-15, 1e15], no one-bar Close move beyond a factor 10,000), the rule training applies too.
+``builtin:synthetic`` is refused before it is generated when it would not fit in the memory
+available (:func:`synthetic_memory_bytes`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import gzip
 import math
 import os
 import re
+import stat
 import sys
 import zlib
 from collections.abc import Callable, Sequence
@@ -35,9 +41,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from foxhunt_jax.config import SyntheticConfig
+from foxhunt_jax.config import SyntheticConfig, from_dict, to_dict
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem, require_memory
+from foxhunt_jax.data.features import tables_peak_bytes
 from foxhunt_jax.data.market import (
+    MARKET_BYTES_PER_BAR,
     WARMUP_BARS,
     Instrument,
     MarketData,
@@ -45,6 +54,7 @@ from foxhunt_jax.data.market import (
     observed_bars_per_year,
     split_sizes,
 )
+from foxhunt_jax.data.synthetic import make_synthetic, synthetic_peak_bytes
 
 EPISODE_BARS = 2  # the shortest episode: one step reads bars s and s+1
 DEFAULT_SPLITS = (0.70, 0.15, 0.15)
@@ -171,16 +181,42 @@ def _load_source(src, *, sort, synthetic, min_bars, on_warning) -> list[Instrume
     if isinstance(src, str) and text.startswith("builtin:"):
         name, params = _parse_builtin(text)
         if name == "synthetic":
-            from foxhunt_jax.data.synthetic import make_synthetic
-
-            cfg = _synthetic_config(text, synthetic or SyntheticConfig(), params)
-            return list(make_synthetic(cfg).instruments)
+            return _load_synthetic(text, _synthetic_config(text, synthetic or SyntheticConfig(),
+                                                           params))
         res = resources.files("foxhunt_jax.data") / "builtin" / BUILTIN_FILES[name]
         with resources.as_file(res) as path:
             return load_file(path, label=f"builtin:{name}", sort=sort, min_bars=min_bars,
                              on_warning=on_warning)
     return load_file(Path(text).expanduser(), sort=sort, min_bars=min_bars,
                      on_warning=on_warning)
+
+
+def _load_synthetic(text: str, cfg: SyntheticConfig) -> list[Instrument]:
+    """``builtin:synthetic``: refused before generating when it would not fit in memory, and
+    after when its random walk breaks the price rule."""
+    require_memory(synthetic_memory_bytes(cfg),
+                   f"{text} ({cfg.instruments} instruments x {cfg.bars} bars, with its feature "
+                   f"tables)", ("data.synthetic.bars", "data.synthetic.instruments"))
+    instruments = list(make_synthetic(cfg).instruments)
+    for ins in instruments:
+        problem = first_price_problem(ins.open, ins.high, ins.low, ins.close)
+        if problem is not None:
+            raise ConfigError(
+                f"{text}: instrument {ins.name}, bar {problem.index}: {problem.message} "
+                f"({PRICE_RULE}); the random walk of data.synthetic.bars bars with "
+                f"data.synthetic.volatility {cfg.volatility:g} drifts too far: reduce either")
+    return instruments
+
+
+_FIXED_BYTES = 1 << 22  # small arrays whose size does not grow with the bars (filter blocks)
+
+
+def synthetic_memory_bytes(cfg: SyntheticConfig) -> int:
+    """Peak host bytes of generating ``builtin:synthetic`` with ``cfg`` and building its
+    feature tables (an upper bound: the larger of the two phases' peaks)."""
+    bars = cfg.instruments * cfg.bars
+    return _FIXED_BYTES + max(synthetic_peak_bytes(cfg),
+                              MARKET_BYTES_PER_BAR * bars + tables_peak_bytes(bars, cfg.bars))
 
 
 def _parse_builtin(text: str) -> tuple[str, dict[str, str]]:
@@ -206,8 +242,6 @@ def _parse_builtin(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _synthetic_config(text: str, base: SyntheticConfig, params: dict[str, str]) -> SyntheticConfig:
-    from foxhunt_jax.config import from_dict, to_dict
-
     known = {f.name for f in fields(SyntheticConfig)}
     for key in params:
         if key not in known:
@@ -255,12 +289,12 @@ def _short(err: BaseException) -> str:
 
 def _read_frame(path: Path, label: str) -> pd.DataFrame:
     """File -> DataFrame with a 1-based ``__row__`` column; every failure is a DataError."""
-    if not path.exists():
-        raise DataError(label, "file not found")
-    if path.is_dir():
-        raise DataError(label, "is a directory, not a CSV or Parquet file")
+    require_regular_file(path, label)
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a path swapped for a FIFO since the check is refused, not waited on
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise DataError(label, "is no longer a regular file")
             magic = f.read(4)
     except OSError as e:
         raise DataError(label, f"cannot open file: {e.strerror or _short(e)}") from None
@@ -272,6 +306,26 @@ def _read_frame(path: Path, label: str) -> pd.DataFrame:
     if is_parquet_name:
         raise DataError(label, "not a Parquet file (missing the PAR1 signature)")
     return _read_csv(path, label, gzipped=magic[:2] == b"\x1f\x8b")
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def require_regular_file(path: str | os.PathLike, label: str | None = None) -> None:
+    """Raises DataError unless ``path`` (symlinks followed) is an existing regular file, so
+    that nothing blocks on a FIFO or reads a device without end. Never opens ``path``."""
+    label = label or os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(label, "file not found") from None
+    except OSError as e:
+        raise DataError(label, f"cannot open file: {e.strerror or _short(e)}") from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+        raise DataError(label, f"is {kind}, not a CSV or Parquet file")
 
 
 def _read_parquet(path: Path, label: str) -> pd.DataFrame:
@@ -505,6 +559,7 @@ def frame_to_instruments(
         if len(idx) < min_bars:
             short.append((name, len(idx)))
             continue
+        _check_prices(o[idx], h[idx], lo[idx], c[idx], cols, label, rows[idx], name)
         out.append(Instrument(
             name=name, source=label, timestamps=ts[idx],
             open=np.ascontiguousarray(o[idx], dtype=np.float64),
@@ -539,6 +594,17 @@ def _check_ranges(o, h, lo, c, cols, label, rows) -> None:
             raise DataError(label, message(i), column=col, row=int(rows[i]))
 
 
+def _check_prices(o, h, lo, c, cols, label, rows, name) -> None:
+    """The shared price rule on one instrument's bars (in time order, adjusted): DataError at
+    the file row and column of the first bar that breaks it."""
+    problem = first_price_problem(o, h, lo, c)
+    if problem is None:
+        return
+    adjusted = " after the Adj Close / Close adjustment" if "adj_close" in cols else ""
+    raise DataError(label, f"instrument {name}: {problem.message}{adjusted} ({PRICE_RULE})",
+                    column=cols[problem.field], row=int(rows[problem.index]))
+
+
 def _order_bars(ts, idx, rows, label, time_col, name, sort) -> np.ndarray:
     """Row indices of one instrument in time order; rejects unsorted (unless ``sort``) and
     duplicate timestamps."""
@@ -565,6 +631,6 @@ def _order_bars(ts, idx, rows, label, time_col, name, sort) -> np.ndarray:
 
 __all__ = [
     "load_market", "load_file", "frame_to_instruments", "parse_timestamps", "split_counts",
-    "min_bars_needed", "warn_to_stderr", "MIN_BARS", "WARMUP_BARS", "EPISODE_BARS",
-    "DEFAULT_SPLITS", "BUILTIN_NAMES",
+    "min_bars_needed", "warn_to_stderr", "require_regular_file", "synthetic_memory_bytes",
+    "MIN_BARS", "WARMUP_BARS", "EPISODE_BARS", "DEFAULT_SPLITS", "BUILTIN_NAMES",
 ]

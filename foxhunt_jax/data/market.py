@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 
 WARMUP_BARS = 64  # bars of each instrument spent on feature history (the longest window + margin)
+MARKET_BYTES_PER_BAR = 6 * 8  # an Instrument's timestamps and five float64 columns
 
 
 def split_sizes(rows: int, splits) -> tuple[int, int, int]:
@@ -39,6 +41,12 @@ class Instrument:
 
     def __len__(self) -> int:
         return int(self.close.shape[0])
+
+    def frame(self) -> pd.DataFrame:
+        """The bars as a DataFrame indexed by timestamp: open, high, low, close, volume."""
+        return pd.DataFrame({k: np.asarray(getattr(self, k)) for k in
+                             ("open", "high", "low", "close", "volume")},
+                            index=pd.DatetimeIndex(np.asarray(self.timestamps), name="time"))
 
 
 @dataclass(frozen=True)

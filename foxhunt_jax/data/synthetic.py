@@ -91,6 +91,21 @@ def synthetic_timestamps(bars: int) -> np.ndarray:
     raise ValueError(f"{bars} bars do not fit in the datetime64[ns] range")
 
 
+# float64 [instruments, bars] arrays alive at once in make_synthetic (shocks, returns, log
+# closes, closes, previous closes, opens, highs, lows, volumes, a temporary) plus the
+# per-instrument copies of the six Instrument columns; [bars] arrays for the timestamps and
+# their temporaries.
+_GENERATION_ARRAYS = 10 + 6
+_TIMESTAMP_ARRAYS = 16
+
+
+def synthetic_peak_bytes(cfg: SyntheticConfig) -> int:
+    """Upper bound of the host bytes :func:`make_synthetic` holds at its peak (Python ints, so
+    that absurd sizes are measured, not overflowed)."""
+    bars = int(cfg.instruments) * int(cfg.bars)
+    return 8 * (_GENERATION_ARRAYS * bars + _TIMESTAMP_ARRAYS * int(cfg.bars))
+
+
 def make_synthetic(cfg: SyntheticConfig) -> MarketData:
     """``cfg.instruments`` instruments of ``cfg.bars`` bars with the planted AR(1) signal.
 

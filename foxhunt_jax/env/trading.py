@@ -3,9 +3,11 @@
 The rules are those of docs/environment.md, which is the specification; ``tests/reference_env.py``
 simulates the same rules in float64 NumPy and the tests require equal equity paths.
 
-Timing at global bar t: observe feature row t, fill the action at close[t], check bar t+1's
-Open/High/Low against the barriers, mark at close[t+1], move to bar t+1. Money (equity, cash,
-units) is float32 on device; initial equity is 1.
+Timing at global bar t: observe feature row t and the portfolio marked at close[t]; the action
+fills at open[t+1] (``env.fill: next_open``) or at close[t] (``close``), every fill price moved
+against the trade by ``env.slippage_bps``; then bar t+1's Open/High/Low are checked against the
+barriers, the position is marked at close[t+1] and the episode moves to bar t+1. Money (equity,
+cash, units) is float32 on device; initial equity is 1.
 
 Action layout [B] int32: exposure index; then the take-profit index when ``env.take_profit`` is
 non-empty; then the stop-loss index when ``env.stop_loss`` is non-empty.
@@ -33,7 +35,7 @@ from foxhunt_jax.errors import ConfigError
 PORTFOLIO_DIM = P = 6  # portfolio features appended to the market features
 EQUITY_FLOOR = 1e-6
 OBS_CLIP = 10.0
-NONE, TAKE_PROFIT, STOP_LOSS, TIME = 0, 1, 2, 3  # info["barrier"] codes
+NONE, TAKE_PROFIT, STOP_LOSS, TIME, RUIN = 0, 1, 2, 3, 4  # info["barrier"] codes
 
 
 @struct.dataclass
@@ -42,7 +44,8 @@ class EnvParams:
 
     features [T, F] f32; open, high, low, close, sigma [T] f32; starts [S] int32;
     exposures [n0] f32; take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is
-    off); cost_rate, fixed_cost, ruin_floor, reward_scale: f32 scalars.
+    off); cost_rate, fixed_cost, ruin_floor, reward_scale, slippage_rate: f32 scalars;
+    ``fill_next_open``: the chosen trade fills at the next bar's open (else at this close).
     """
 
     features: jax.Array
@@ -59,10 +62,12 @@ class EnvParams:
     fixed_cost: jax.Array
     ruin_floor: jax.Array
     reward_scale: jax.Array
+    slippage_rate: jax.Array
     episode_length: int = struct.field(pytree_node=False, default=100)
     time_barrier: int = struct.field(pytree_node=False, default=20)
     has_take_profit: bool = struct.field(pytree_node=False, default=True)
     has_stop_loss: bool = struct.field(pytree_node=False, default=True)
+    fill_next_open: bool = struct.field(pytree_node=False, default=True)
 
 
 @struct.dataclass
@@ -105,9 +110,10 @@ def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str) -> EnvPara
         exposures=f32(env_cfg.exposures), take_profit=f32(env_cfg.take_profit),
         stop_loss=f32(env_cfg.stop_loss), cost_rate=f32(env_cfg.cost_bps / 1e4),
         fixed_cost=f32(env_cfg.fixed_cost), ruin_floor=f32(env_cfg.ruin_floor),
-        reward_scale=f32(env_cfg.reward_scale), episode_length=int(env_cfg.episode_length),
+        reward_scale=f32(env_cfg.reward_scale), slippage_rate=f32(env_cfg.slippage_bps / 1e4),
+        episode_length=int(env_cfg.episode_length),
         time_barrier=int(env_cfg.time_barrier), has_take_profit=bool(env_cfg.take_profit),
-        has_stop_loss=bool(env_cfg.stop_loss))
+        has_stop_loss=bool(env_cfg.stop_loss), fill_next_open=env_cfg.fill == "next_open")
 
 
 def obs_dim(params: EnvParams) -> int:
@@ -210,7 +216,8 @@ def reset(key: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
 
 
 def _barrier_levels(c, s, e_new, a_tp, a_sl, params: EnvParams):
-    """Take-profit and stop-loss prices of a new position of exposure ``e_new`` entered at c.
+    """Take-profit and stop-loss prices of a new position of exposure ``e_new`` entered at the
+    market price c (the fill's price before slippage).
 
     ``c +- c * (k * s)`` equals the spec's ``c * (1 +- k * s)``; the rounding error of the small
     move hardly shows in the sum, which rounds once, so the float32 level is almost always the
@@ -231,43 +238,53 @@ def _barrier_levels(c, s, e_new, a_tp, a_sl, params: EnvParams):
     return tp.astype(jnp.float32), sl.astype(jnp.float32)
 
 
+def _executed(price, direction, params: EnvParams):
+    """The price a fill of ``direction`` (+1 buy, -1 sell, 0 none) executes at: ``price`` moved
+    against the trade by the slippage."""
+    return price * (1.0 + params.slippage_rate * direction)
+
+
 def advance(state: EnvState, actions: tuple, params: EnvParams):
     """One step from bar t, no auto-reset, elementwise over any batch shape of ``state``.
 
     ``actions``: one int32 array per branch, shaped like the state's fields.
-    Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool),
-    exit_price (0 when no barrier exit), barrier (int32).
+    Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool:
+    the chosen exposure differs from the held one), exit_price (executed price of a barrier or
+    ruin exit, else 0), barrier (int32 code), fills (int32: the chosen trade plus an exit, 0..2)
+    and turnover (the nominal exposure those fills moved, a fraction of equity).
 
     This is the single definition of the step's rules: :func:`step_env` calls it for one episode
     and the fused rollout kernel (``pallas_kernels/rollout.py``) for a block of episodes, with
     Pallas refs in place of the ``params`` tables (only indexing touches them).
     """
-    t = state.bar
+    t, n = state.bar, state.bar + 1
     c, s = params.close[t], params.sigma[t]
+    o, h, lo, cn = params.open[n], params.high[n], params.low[n], params.close[n]
     a_tp = actions[1] if params.has_take_profit else 0
     a_sl = actions[1 + int(params.has_take_profit)] if params.has_stop_loss else 0
     e, e_new = state.exposure, params.exposures[actions[0]]
 
-    # 1. trade at close[t]
+    # 1. the chosen trade, at open[t+1] or close[t]
     equity_t = state.cash + state.units * c
+    px = o if params.fill_next_open else c
     traded = e_new != e
-    units_new = e_new * equity_t / c
+    units_new = e_new * (state.cash + state.units * px) / px
     dunits = units_new - state.units
-    trade_cost = jnp.where(traded, jnp.abs(dunits) * c * params.cost_rate + params.fixed_cost, 0.0)
-    cash = jnp.where(traded, state.cash - dunits * c - trade_cost, state.cash)
+    px_exec = _executed(px, jnp.sign(dunits), params)
+    trade_cost = jnp.where(traded, jnp.abs(dunits) * px_exec * params.cost_rate
+                           + params.fixed_cost, 0.0)
+    cash = jnp.where(traded, state.cash - dunits * px_exec - trade_cost, state.cash)
     units = jnp.where(traded, units_new, state.units)
     exposure = jnp.where(traded, e_new, e)
-    tp_new, sl_new = _barrier_levels(c, s, e_new, a_tp, a_sl, params)
+    tp_new, sl_new = _barrier_levels(px, s, e_new, a_tp, a_sl, params)
     opened = traded & (e_new != 0)
     flat_now = traded & (e_new == 0)
     tp = jnp.where(opened, tp_new, jnp.where(flat_now, 0.0, state.tp_price))
     sl = jnp.where(opened, sl_new, jnp.where(flat_now, 0.0, state.sl_price))
-    entry = jnp.where(opened, c, jnp.where(flat_now, 0.0, state.entry_price))
+    entry = jnp.where(opened, px, jnp.where(flat_now, 0.0, state.entry_price))
     tit = jnp.where(traded, 0, state.time_in_trade)
 
     # 2. barriers on bar t+1
-    n = t + 1
-    o, h, lo, cn = params.open[n], params.high[n], params.low[n], params.close[n]
     holding = units != 0
     long = exposure > 0
     sl_hit = holding & jnp.where(long, lo <= sl, h >= sl)
@@ -276,24 +293,40 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
     sl_px = jnp.where(long, jnp.minimum(o, sl), jnp.maximum(o, sl))
     tp_px = jnp.where(long, jnp.maximum(o, tp), jnp.minimum(o, tp))
     exited = sl_hit | tp_hit | time_hit
-    exit_price = jnp.where(sl_hit, sl_px, jnp.where(tp_hit, tp_px, jnp.where(time_hit, cn, 0.0)))
+    exit_market = jnp.where(sl_hit, sl_px, jnp.where(tp_hit, tp_px, cn))
+    exit_price = jnp.where(exited, _executed(exit_market, -jnp.sign(units), params), 0.0)
     barrier = jnp.where(sl_hit, STOP_LOSS, jnp.where(tp_hit, TAKE_PROFIT,
                                                      jnp.where(time_hit, TIME, NONE)))
     exit_cost = jnp.where(exited, jnp.abs(units) * exit_price * params.cost_rate
                           + params.fixed_cost, 0.0)
     cash = jnp.where(exited, cash + units * exit_price - exit_cost, cash)
+    turnover = jnp.where(traded, jnp.abs(e_new - e), 0.0) + jnp.where(exited, jnp.abs(exposure),
+                                                                       0.0)
     units = jnp.where(exited, 0.0, units)
-    exposure = jnp.where(exited, 0.0, exposure)
-    tp = jnp.where(exited, 0.0, tp)
-    sl = jnp.where(exited, 0.0, sl)
-    entry = jnp.where(exited, 0.0, entry)
     tit = jnp.where(exited, 0, jnp.where(holding, tit + 1, tit))
 
-    # 3-5. mark, reward, done
+    # 3. mark at close[t+1]; 4. ruin closes a position still open at that close
+    terminated = cash + units * cn < params.ruin_floor
+    ruined = terminated & (units != 0)
+    ruin_price = _executed(cn, -jnp.sign(units), params)
+    ruin_cost = jnp.where(ruined, jnp.abs(units) * ruin_price * params.cost_rate
+                          + params.fixed_cost, 0.0)
+    cash = jnp.where(ruined, cash + units * ruin_price - ruin_cost, cash)
+    turnover = turnover + jnp.where(ruined, jnp.abs(exposure), 0.0)
+    exit_price = jnp.where(ruined, ruin_price, exit_price)
+    barrier = jnp.where(ruined, RUIN, barrier)
+    closed = exited | ruined
+    units = jnp.where(ruined, 0.0, units)
+    exposure = jnp.where(closed, 0.0, exposure)
+    tp = jnp.where(closed, 0.0, tp)
+    sl = jnp.where(closed, 0.0, sl)
+    entry = jnp.where(closed, 0.0, entry)
+    tit = jnp.where(ruined, 0, tit)
     equity = cash + units * cn
+
+    # 5. reward and truncation
     reward = params.reward_scale * jnp.log(jnp.maximum(equity, EQUITY_FLOOR)
                                            / jnp.maximum(equity_t, EQUITY_FLOOR))
-    terminated = equity < params.ruin_floor
     truncated = (state.step + 1 >= params.episode_length) & ~terminated
 
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
@@ -301,8 +334,11 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
                          equity=f32(equity), cash=f32(cash), units=f32(units),
                          exposure=f32(exposure), entry_price=f32(entry), tp_price=f32(tp),
                          sl_price=f32(sl), time_in_trade=tit.astype(jnp.int32))
-    info = {"equity": f32(equity), "cost": f32(trade_cost + exit_cost), "traded": traded,
-            "exit_price": f32(exit_price), "barrier": barrier.astype(jnp.int32)}
+    info = {"equity": f32(equity), "cost": f32(trade_cost + exit_cost + ruin_cost),
+            "traded": traded,
+            "exit_price": f32(exit_price), "barrier": barrier.astype(jnp.int32),
+            "fills": traded.astype(jnp.int32) + closed.astype(jnp.int32),
+            "turnover": f32(turnover)}
     return new_state, f32(reward), terminated, truncated, info
 
 
@@ -383,5 +419,5 @@ __all__ = [
     "step_env", "advance", "step", "observation", "portfolio_obs", "portfolio_features",
     "obs_from", "obs_dim", "branch_sizes", "num_branches",
     "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
-    "STOP_LOSS", "TIME",
+    "STOP_LOSS", "TIME", "RUIN",
 ]

@@ -8,10 +8,9 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   0-d arrays. Storing leaves flat (instead of orbax's own view of the tree) makes any pytree work
   the same way: dicts, optax states (NamedTuples), ``flax.struct`` dataclasses.
   Replicated jax arrays of one dtype and placement are packed into one vector,
-  ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes
-  (86 arrays of 15 MB in all took 248 ms, one array of 15 MB 61 ms on a 2-core CPU), and the
-  agent alone is 62 replicated arrays (on one device the seed config's whole state saves as 5
-  arrays, in 110 ms against 271 ms; ``scripts/bench_checkpoint.py``, docs/training.md).
+  ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes,
+  and the agent alone is 62 replicated arrays (the measurements are in docs/training.md,
+  ``scripts/bench_checkpoint.py`` repeats them).
 * ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing
@@ -22,12 +21,21 @@ orbax writes a step into a temporary directory and renames it when complete; a s
 was interrupted is never listed by :func:`latest_step` and its leftovers are removed by the next
 save. Saves are synchronous: when :func:`save` returns the checkpoint is complete on disk. The
 last ``keep`` (default 2) checkpoints are kept.
+
+After the save, ``<s>/digests.json`` records the size and CRC-32 of every file of the step;
+:func:`restore` checks them first (a step saved before digests existed, or killed before its
+digests were written, is checked by reading it). A damaged step (a file truncated, garbled or
+missing, a layout that is not JSON, an array orbax cannot read) raises
+:class:`DamagedCheckpoint`; :func:`restore_latest` then warns and falls back to the newest
+intact step.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.errors import FoxhuntError, NonFiniteError
+from foxhunt_jax.training.rundir import to_jsonable
 
 KEEP = 2
+DIGESTS_FILE = "digests.json"
+
+
+class DamagedCheckpoint(FoxhuntError):
+    """A checkpoint step that cannot be read back as it was written; names the step and why."""
 
 
 def _quiet_orbax() -> None:
@@ -237,8 +251,6 @@ def save(ckpt_dir: str | os.PathLike, step: int, state: Any, metadata: dict,
     """
     import orbax.checkpoint as ocp
 
-    from foxhunt_jax.training.rundir import to_jsonable
-
     meta = to_jsonable(metadata)
     leaves, layout, _ = _layout(state)
     payload, packs = _packed_payload([_storable(leaf) for leaf in leaves], layout)
@@ -254,7 +266,63 @@ def save(ckpt_dir: str | os.PathLike, step: int, state: Any, metadata: dict,
         mgr.wait_until_finished()
     finally:
         mgr.close()
-    return Path(ckpt_dir) / str(int(step))
+    step_dir = Path(ckpt_dir) / str(int(step))
+    if jax.process_index() == 0:
+        _write_digests(step_dir)
+    return step_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity
+
+
+def _file_digest(path: Path) -> dict:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"size": size, "crc32": crc}
+
+
+def _step_files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != DIGESTS_FILE)
+
+
+def _write_digests(step_dir: Path) -> None:
+    """``digests.json`` of a complete step: size and CRC-32 of each file (written atomically)."""
+    files = {str(p.relative_to(step_dir)): _file_digest(p) for p in _step_files(step_dir)}
+    tmp = step_dir / (DIGESTS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1))
+    os.replace(tmp, step_dir / DIGESTS_FILE)
+
+
+def verify(ckpt_dir: str | os.PathLike, step: int) -> bool:
+    """Checks step ``step`` against its ``digests.json``: True when it matches, False when the
+    step has no digests (then only reading it tells); DamagedCheckpoint naming the first file
+    that is missing, of another size or of other contents."""
+    step_dir = Path(ckpt_dir) / str(int(step))
+    where = str(step_dir)
+    path = step_dir / DIGESTS_FILE
+    if not path.is_file():
+        return False
+    try:
+        files = json.loads(path.read_text())["files"]
+        wanted = {str(name): (int(d["size"]), int(d["crc32"])) for name, d in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise DamagedCheckpoint(f"checkpoint {where}: {DIGESTS_FILE} is not readable") from None
+    present = {str(p.relative_to(step_dir)) for p in _step_files(step_dir)}
+    missing = sorted(set(wanted) - present)
+    if missing:
+        raise DamagedCheckpoint(f"checkpoint {where}: file {missing[0]} is missing")
+    for name, (size, crc) in sorted(wanted.items()):
+        got = _file_digest(step_dir / name)
+        if got["size"] != size:
+            raise DamagedCheckpoint(f"checkpoint {where}: file {name} has {got['size']} bytes, "
+                                    f"{size} were written")
+        if got["crc32"] != crc:
+            raise DamagedCheckpoint(f"checkpoint {where}: file {name} differs from what was "
+                                    "written (CRC-32)")
+    return True
 
 
 def all_steps(ckpt_dir: str | os.PathLike) -> list[int]:
@@ -278,10 +346,10 @@ def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple
     """Restores step ``step`` (None: the latest) into the structure of ``target``.
 
     ``target`` gives the tree structure, shapes, dtypes and shardings (a state built the same
-    way as the saved one; its values are not used). Returns ``(state, metadata)``.
+    way as the saved one; its values are not used). Returns ``(state, metadata)``. The step is
+    verified first (:func:`verify`); a damaged one raises :class:`DamagedCheckpoint`, a
+    checkpoint of another state layout FoxhuntError.
     """
-    import orbax.checkpoint as ocp
-
     steps = all_steps(ckpt_dir)
     if step is None:
         if not steps:
@@ -289,6 +357,38 @@ def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple
         step = steps[-1]
     if step not in steps:
         raise FoxhuntError(f"no checkpoint of step {step} in {ckpt_dir} (have: {steps or 'none'})")
+    verify(ckpt_dir, step)
+    try:
+        return _restore(ckpt_dir, step, target)
+    except (FoxhuntError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever orbax or tensorstore raise on bad bytes
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DamagedCheckpoint(f"checkpoint {ckpt_dir}/{step} cannot be read "
+                                f"({type(e).__name__}: {first})") from None
+
+
+def restore_latest(ckpt_dir: str | os.PathLike, target: Any,
+                   warn=lambda line: None) -> tuple[Any, dict, int]:
+    """Restores the newest intact step: a damaged one is skipped with one ``warn`` line naming
+    it. Returns ``(state, metadata, step)``; FoxhuntError when no step is intact."""
+    steps = all_steps(ckpt_dir)
+    if not steps:
+        raise FoxhuntError(f"no checkpoint in {ckpt_dir}")
+    for step in reversed(steps):
+        try:
+            state, meta = restore(ckpt_dir, step, target)
+        except DamagedCheckpoint as e:
+            warn(f"warning: {e}; skipped")
+            continue
+        return state, meta, step
+    raise FoxhuntError(f"no intact checkpoint in {ckpt_dir} (steps {', '.join(map(str, steps))} "
+                       "are damaged)")
+
+
+def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any) -> tuple[Any, dict]:
+    import orbax.checkpoint as ocp
+
     leaves, layout, treedef = _layout(target)
     mgr = _manager(ckpt_dir, read_only=True)
     try:
@@ -364,4 +464,5 @@ def assert_finite(tree: Any, what: str, epoch: int) -> None:
     raise NonFiniteError(f"epoch {epoch}: {what} {verb} {kind} (leaf '{path_str(path)}')")
 
 
-__all__ = ["save", "restore", "latest_step", "all_steps", "assert_finite", "path_str", "KEEP"]
+__all__ = ["save", "restore", "restore_latest", "verify", "DamagedCheckpoint", "latest_step",
+           "all_steps", "assert_finite", "path_str", "KEEP"]

@@ -2,7 +2,9 @@
 
 These run once per epoch (validation) and once per evaluation on small arrays, so clarity wins
 over speed: no JAX here. The same function scores the agent, buy-and-hold and the random policy,
-so the three are always comparable.
+so the three are always comparable. The last section builds what a full-split evaluation
+reports: each policy's walks as one equal-weight portfolio by date, the random policies'
+percentiles and the agent's rank among them (:func:`evaluation_results`).
 
 Definitions (``W`` windows, ``T`` bars per window, ``E[w, t]`` equity, ``x[w, t]`` exposure):
 
@@ -26,11 +28,13 @@ Definitions (``W`` windows, ``T`` bars per window, ``E[w, t]`` equity, ``x[w, t]
 * ``max_drawdown``: mean over windows of ``max_t (1 - E[w, t] / max_{s <= t} E[w, s])``, a
   positive fraction (0.5 = lost half from the peak); ``max_drawdown_worst`` is the largest of them.
 * ``calmar``: ``annualized_return / max_drawdown``; 0 when ``max_drawdown <= 1e-12``.
-* ``turnover``: ``mean |x[w, t] - x[w, t-1]|`` over valid bars with ``x[w, -1] = 0`` (episodes
-  start flat; a NaN exposure on a valid bar counts as flat): average fraction of equity
-  traded per bar.
-* ``trades``: total count of trades (the sum of per-window counts, or of per-bar traded flags
-  over valid bars).
+* ``turnover``: average fraction of equity traded per bar: the mean over valid bars of the
+  per-bar ``turnover`` given (the env's: every fill counted, the chosen trades and the barrier
+  and ruin exits); without it, of ``|x[w, t] - x[w, t-1]|`` with ``x[w, -1] = 0`` (episodes
+  start flat; a NaN exposure on a valid bar counts as flat), which is exact only when every
+  position change is a chosen trade (buy-and-hold).
+* ``trades``: total count of trades (the sum of per-window counts, or of per-bar counts over
+  valid bars; pass the env's per-bar fills so that exits count).
 * ``time_in_market``: fraction of valid bars with ``x[w, t] != 0``.
 * ``hit_rate``: among valid bars with ``x[w, t] != 0``, the fraction with ``r[w, t] > 0``
   (how often holding a position paid over one bar); 0 when never in the market.
@@ -40,6 +44,8 @@ Every value is a Python ``float`` except ``trades`` and ``bars`` (``int``).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
@@ -83,15 +89,17 @@ def _safe_ratio(num: float, den: float) -> float:
     return float(num / den) if den > _TINY else 0.0
 
 
-def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
+def trading_metrics(equity, exposure, trades, bars_per_year: float, turnover=None) -> dict:
     """Trading metrics of ``W`` equity paths (definitions in the module docstring).
 
     Args:
       equity: ``[W, T+1]`` (or ``[T+1]`` for one window) equity paths starting at the initial
         equity; may be NaN-padded after a window ends.
       exposure: ``[W, T]`` (or ``[T]``) position held over each bar (signed fraction of equity).
-      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar traded flags.
+      trades: ``[W]`` trade counts per window, or ``[W, T]`` per-bar trade counts.
       bars_per_year: annualization factor, > 0.
+      turnover: ``[W, T]`` (or ``[T]``) fraction of equity traded on each bar, or None to take
+        it from the changes of ``exposure``.
 
     Returns:
       dict with the keys of :data:`METRIC_KEYS`.
@@ -99,8 +107,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     e = np.asarray(equity, np.float64)
     x = np.asarray(exposure, np.float64)
     tr = np.asarray(trades, np.float64)
+    per_bar = None if turnover is None else np.asarray(turnover, np.float64)
     if e.ndim == 1:  # one window: add the window axis everywhere
         e, x, tr = e[None], x[None], tr[None]
+        per_bar = None if per_bar is None else per_bar[None]
     if e.ndim != 2 or x.ndim != 2:
         raise ValueError(f"equity and exposure must be [W, T+1] and [W, T], got {e.shape}, "
                          f"{x.shape}")
@@ -109,6 +119,8 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
         raise ValueError(f"equity needs at least 2 points per window, got shape {e.shape}")
     if x.shape != (n_windows, t_plus_1 - 1):
         raise ValueError(f"exposure shape {x.shape} does not match equity shape {e.shape}")
+    if per_bar is not None and per_bar.shape != x.shape:
+        raise ValueError(f"turnover shape {per_bar.shape} does not match exposure {x.shape}")
     if tr.shape not in ((n_windows,), x.shape):
         raise ValueError(f"trades shape {tr.shape} must be ({n_windows},) or {x.shape}")
     if not bars_per_year > 0:
@@ -136,8 +148,10 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     dd = max_drawdowns(e)
     max_dd = float(np.mean(dd))
 
-    prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
-    turnover = float(np.abs(x - prev)[valid].sum() / n) if n else 0.0
+    if per_bar is None:
+        prev = np.concatenate([np.zeros((n_windows, 1)), x[:, :-1]], axis=1)
+        per_bar = np.abs(x - prev)
+    turnover = float(np.nan_to_num(per_bar)[valid].sum() / n) if n else 0.0
     in_market = (x != 0) & valid
     n_in = int(in_market.sum())
     wins = int(((r_all > 0) & in_market).sum())
@@ -164,4 +178,169 @@ def trading_metrics(equity, exposure, trades, bars_per_year: float) -> dict:
     }
 
 
-__all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS"]
+# ---------------------------------------------------------------------------------------------
+# The equal-weight portfolio by date, and the random policies' distribution
+
+
+def portfolio_by_date(equity, exposure, traded, bar_dates: Sequence[np.ndarray]) -> dict:
+    """The equal-weight portfolio of ``W`` instrument walks, by date.
+
+    Args:
+      equity: ``[..., W, L+1]`` equity of each walk (starting at 1), NaN after it ends; any
+        leading axes (e.g. random policies) are separate portfolios.
+      exposure: ``[..., W, L]`` position held over each bar.
+      traded: ``[..., W, L]`` per-bar traded flags (or trade counts).
+      bar_dates: ``W`` arrays ``[n_w + 1]`` (``n_w <= L``) of datetime64: the date of each equity
+        mark of walk ``w`` (``bar_dates[w][j]`` is when ``equity[..., w, j]`` is marked).
+
+    The dates are the first walk's start and every date a walk's bar ends on (sorted, once
+    each). On each date the portfolio's simple return is the mean over the instruments trading
+    on it (those whose walk has a valid bar ending there, :func:`valid_bars`) of their simple
+    returns over that bar, i.e. equal weights rebalanced every date; on a date none trades (every
+    walk ended early) it is 0. Its exposure on a date is the same mean of the instruments'
+    exposures (the portfolio's net exposure) and its trades the sum of theirs. A non-positive
+    equity is floored as in :func:`log_returns` first.
+
+    Returns:
+      dict: ``dates [K+1]`` datetime64; ``equity [..., K+1]`` (1 at ``dates[0]``), ``exposure``,
+      ``trades`` and ``instruments`` (how many traded) ``[..., K]``, float64.
+    """
+    e = np.asarray(equity, np.float64)
+    x = np.asarray(exposure, np.float64)
+    tr = np.asarray(traded, np.float64)
+    if e.ndim < 2 or e.shape[-2] != len(bar_dates) or x.shape != e.shape[:-1] + (e.shape[-1] - 1,):
+        raise ValueError(f"equity {e.shape} and exposure {x.shape} must be [..., W, L+1] and "
+                         f"[..., W, L] with W = {len(bar_dates)} date arrays")
+    dates = np.unique(np.concatenate([[min(d[0] for d in bar_dates)]]
+                                     + [np.asarray(d[1:]) for d in bar_dates]))
+    lead, k = e.shape[:-2], len(dates) - 1
+    sums = {name: np.zeros(lead + (k,)) for name in ("return", "exposure", "trades", "count")}
+    for w, d in enumerate(bar_dates):
+        n = len(d) - 1
+        if n > e.shape[-1] - 1:
+            raise ValueError(f"walk {w} has {n + 1} dates for {e.shape[-1]} equity marks")
+        col = np.searchsorted(dates, d[1:]) - 1  # the portfolio bar each of its bars ends on
+        ew = e[..., w, :n + 1]
+        valid = valid_bars(ew.reshape(-1, n + 1)).reshape(ew.shape[:-1] + (n,))
+        safe = np.maximum(np.nan_to_num(ew, nan=1.0), _EQUITY_FLOOR * ew[..., :1])
+        r = safe[..., 1:] / safe[..., :-1] - 1.0
+        for name, v in (("return", r), ("exposure", np.nan_to_num(x[..., w, :n])),
+                        ("trades", np.nan_to_num(tr[..., w, :n])), ("count", 1.0)):
+            sums[name][..., col] += np.where(valid, v, 0.0)  # a walk's columns are distinct
+    count = sums["count"]
+    mean = lambda v: np.divide(v, count, out=np.zeros_like(v), where=count > 0)  # noqa: E731
+    growth = np.cumprod(1.0 + mean(sums["return"]), axis=-1)
+    return {"dates": dates,
+            "equity": np.concatenate([np.ones(lead + (1,)), growth], axis=-1),
+            "exposure": mean(sums["exposure"]), "trades": sums["trades"], "instruments": count}
+
+
+# Metrics of trading activity: a portfolio reports them pooled over its instruments' bars.
+ACTIVITY_KEYS = ("turnover", "trades", "hit_rate", "time_in_market")
+
+
+def portfolio_metrics(portfolio: dict, paths: dict, bars_per_year: float) -> dict | list:
+    """The metrics of a :func:`portfolio_by_date` portfolio: :func:`trading_metrics` of its
+    curve (one window over its dates), except :data:`ACTIVITY_KEYS`, which are
+    :func:`trading_metrics` of the instruments' walks ``paths`` (``equity [..., W, L+1]``,
+    ``exposure``, ``trades``, ``turnover``) pooled: per-instrument turnover, all fills (the
+    chosen trades and the barrier and ruin exits), the share of instrument bars in the market and
+    the share of those that paid. With leading axes, a list over them flattened."""
+    e, x, tr = portfolio["equity"], portfolio["exposure"], portfolio["trades"]
+    k, (w, n) = e.shape[-1], paths["equity"].shape[-2:]
+    flat = lambda a, shape: np.reshape(a, (-1,) + shape)  # noqa: E731
+    out = []
+    for curve, held, traded, pe, px, pt, pu in zip(
+            flat(e, (k,)), flat(x, (k - 1,)), flat(tr, (k - 1,)),
+            flat(paths["equity"], (w, n)), flat(paths["exposure"], (w, n - 1)),
+            flat(paths["trades"], (w, n - 1)), flat(paths["turnover"], (w, n - 1))):
+        metrics = trading_metrics(curve, held, traded, bars_per_year)
+        pooled = trading_metrics(pe, px, pt, bars_per_year, turnover=pu)
+        out.append({key: pooled[key] if key in ACTIVITY_KEYS else value
+                    for key, value in metrics.items()})
+    return out[0] if e.ndim == 1 else out
+
+
+PERCENTILES = (5, 50, 95)
+# The metrics where one policy beats another: a higher value, or for these a lower one.
+HIGHER_IS_BETTER = ("total_return", "annualized_return", "sharpe", "sortino", "calmar",
+                    "hit_rate")
+LOWER_IS_BETTER = ("annualized_volatility", "max_drawdown", "max_drawdown_worst")
+
+
+def metric_percentiles(samples: Sequence[dict], q: Sequence[int] = PERCENTILES) -> dict:
+    """``{"p5": {metric: value}, "p50": ..., "p95": ...}`` over metric dicts (``np.percentile``,
+    linear interpolation, NaN values left out)."""
+    out = {f"p{p}": {} for p in q}
+    for key in samples[0]:
+        values = np.asarray([s[key] for s in samples], np.float64)
+        finite = values[~np.isnan(values)]
+        for p in q:
+            out[f"p{p}"][key] = float(np.percentile(finite, p)) if finite.size else float("nan")
+    return out
+
+
+def beat_percentile(value: float, samples: Sequence[dict], key: str) -> float:
+    """Percent (0..100) of ``samples`` whose ``key`` ``value`` beats (:data:`HIGHER_IS_BETTER`
+    or :data:`LOWER_IS_BETTER`), a tie counting half."""
+    others = np.asarray([s[key] for s in samples], np.float64)
+    better = others < value if key in HIGHER_IS_BETTER else others > value
+    return float(100.0 * (np.sum(better) + 0.5 * np.sum(others == value)) / len(others))
+
+
+def beat_percentiles(metrics: dict, samples: Sequence[dict]) -> dict:
+    """:func:`beat_percentile` of every metric of ``metrics`` that has a better side."""
+    return {k: beat_percentile(metrics[k], samples, k) for k in metrics
+            if k in HIGHER_IS_BETTER or k in LOWER_IS_BETTER}
+
+
+def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.ndarray],
+                       instruments: Sequence[str], bars_per_year: float) -> dict:
+    """Everything a full-split evaluation reports, from the walks of every policy.
+
+    Args:
+      paths: policy name -> per-instrument paths (``equity [W, L+1]``, ``exposure``,
+        ``trades`` (fills a bar) and ``turnover`` ``[W, L]``) of the deterministic policies; ``agent`` among them (``flat`` gets no
+        per-instrument metrics).
+      random_paths: the same with a leading axis ``[P, ...]``: ``P`` random policies.
+      bar_dates, instruments: each walk's mark dates (:func:`portfolio_by_date`) and name.
+      bars_per_year: annualization factor.
+
+    Returns:
+      ``dates [K+1]``: the portfolio's dates; ``curves``: name -> portfolio equity ``[K+1]``,
+      with ``random_p5``, ``random_p50``, ``random_p95`` the random portfolios' percentiles
+      date by date; ``exposure``: ``{"agent": [K]}``, the agent portfolio's net exposure;
+      ``paths``: ``paths``; ``metrics`` (JSON-able): each policy's portfolio metrics by name;
+      ``random``: ``policies`` (``P``) and ``p5``, ``p50``, ``p95``, each metric's percentile
+      over the ``P`` random portfolios (:func:`metric_percentiles`); ``agent_percentile``:
+      :func:`beat_percentiles` of the agent's portfolio among them; ``per_instrument``: policy
+      -> instrument -> the metrics of that instrument's own walk.
+    """
+    portfolios = {name: portfolio_by_date(p["equity"], p["exposure"], p["trades"], bar_dates)
+                  for name, p in paths.items()}
+    rand = portfolio_by_date(random_paths["equity"], random_paths["exposure"],
+                             random_paths["trades"], bar_dates)
+    metrics = {name: portfolio_metrics(portfolios[name], p, bars_per_year)
+               for name, p in paths.items()}
+    samples = portfolio_metrics(rand, random_paths, bars_per_year)
+    metrics["random"] = {"policies": len(samples), **metric_percentiles(samples)}
+    metrics["agent_percentile"] = beat_percentiles(metrics["agent"], samples)
+    names = [n if list(instruments).count(n) == 1 else f"{n}#{w}"
+             for w, n in enumerate(instruments)]  # a repeated name gets its walk's index
+    metrics["per_instrument"] = {
+        name: {ins: trading_metrics(p["equity"][w], p["exposure"][w], p["trades"][w],
+                                    bars_per_year, turnover=p["turnover"][w])
+               for w, ins in enumerate(names)}
+        for name, p in paths.items() if name != "flat"}
+    curves = {name: p["equity"] for name, p in portfolios.items()}
+    for q in PERCENTILES:
+        curves[f"random_p{q}"] = np.percentile(rand["equity"], q, axis=0)
+    return {"dates": rand["dates"], "curves": curves,
+            "exposure": {"agent": portfolios["agent"]["exposure"]}, "metrics": metrics,
+            "paths": paths}
+
+
+__all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
+           "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
+           "beat_percentiles", "evaluation_results", "PERCENTILES", "ACTIVITY_KEYS",
+           "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]

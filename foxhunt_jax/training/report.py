@@ -3,8 +3,11 @@
 Files written under ``out_dir/report/``:
 
 * ``summary.json``: the summary dict as given (NumPy/JAX scalars converted, NaN/Inf as null).
-* ``equity_<split>.png`` for each split in ``curves`` (``validation``, ``test``): equity of the
-  agent against buy-and-hold and the random policy (top) and their drawdowns (bottom).
+* ``equity_<split>.png`` for each evaluated split (``validation``, ``test``): the equal-weight
+  portfolios by date (:func:`~foxhunt_jax.training.metrics.evaluation_results`) of the agent,
+  buy-and-hold, flat and the random policies' 5-95% band (top; each legend entry gives the
+  table's figures of its curve), their drawdowns (middle) and the agent's net exposure
+  (bottom).
 * ``training.png``: loss, epsilon, validation Sharpe and validation total return by epoch, read
   from the epoch records of metrics.jsonl.
 * ``phases.png``: time per phase per epoch as stacked bars, with one-off costs (init, compile) in
@@ -16,7 +19,8 @@ missing key leaves its panel marked "not recorded": ``loss``, ``val_loss``, ``ep
 ``val_random/{sharpe,total_return}``, and
 ``phase_ms/{init,compile,experience,training,validation,total}``.
 
-:func:`metrics_table` formats the metrics of several policies as a text table for the log.
+:func:`metrics_table` formats the metrics of several policies as a text table for the log;
+:func:`evaluation_table` the table of one evaluation (the same numbers as its figure).
 
 Plots are drawn on a plain Agg canvas (no pyplot, no global backend switch).
 """
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -43,6 +46,7 @@ POLICY_STYLE = {
     "buy_and_hold": dict(color="tab:orange", lw=1.4, ls="--", label="buy & hold"),
     "random": dict(color="tab:gray", lw=1.2, ls=":", label="random policy"),
     "oracle": dict(color="tab:green", lw=1.4, ls="-.", label="oracle (planted signal)"),
+    "flat": dict(color="black", lw=1.0, ls="-", label="flat (cash)"),
 }
 STEADY_PHASES = ("experience", "training", "validation")
 ONE_OFF_PHASES = ("init", "compile")
@@ -63,77 +67,85 @@ def _style(name: str) -> dict:
     return dict(POLICY_STYLE.get(name, dict(lw=1.2, ls="-", label=name.replace("_", " "))))
 
 
-def _mean_band(arr: np.ndarray):
-    """``[T]`` -> (arr, None); ``[n, T]`` -> (mean over rows, (10th, 90th percentile))."""
-    if arr.ndim == 1:
-        return arr, None
-    with warnings.catch_warnings():  # columns where every row has ended are all-NaN
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(arr, axis=0), tuple(np.nanpercentile(arr, [10, 90], axis=0))
-
-
 def _drawdown(path: np.ndarray) -> np.ndarray:
     peak = np.fmax.accumulate(path)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(np.isfinite(path), path / peak - 1.0, np.nan)
 
 
-def _last_finite(path: np.ndarray) -> float:
-    finite = path[np.isfinite(path)]
-    return float(finite[-1]) if finite.size else float("nan")
+def legend_label(name: str, metrics: Mapping[str, Any]) -> str:
+    """A policy's legend entry: its name and its table figures (total return, max drawdown,
+    Sharpe), formatted as :func:`metrics_table` formats them."""
+    figures = ", ".join(f"{label} {_fmt_metric(key, metrics.get(key))}" for key, label in
+                        (("total_return", "return"), ("max_drawdown", "max drawdown"),
+                         ("sharpe", "Sharpe")))
+    return f"{_style(name)['label']}  ({figures})"
 
 
-def plot_equity(path: str | os.PathLike, curves: Mapping[str, Any], title: str,
-                timestamps: Sequence | np.ndarray | None = None) -> Path:
+def band_label(random: Mapping[str, Any]) -> str:
+    """The random band's legend entry: the policy count and the 5th and 95th percentiles of
+    total return, formatted as :func:`metrics_table` formats them."""
+    ret = lambda q: _fmt_metric("total_return", random[q].get("total_return"))  # noqa: E731
+    return (f"random policies x{random['policies']}, 5-95% band  (return {ret('p5')} to "
+            f"{ret('p95')})")
+
+
+def plot_equity(path: str | os.PathLike, evaluation: Mapping[str, Any], title: str) -> Path:
     """Writes :func:`equity_figure` to the PNG ``path``."""
-    return _save(equity_figure(curves, title, timestamps), Path(path))
+    return _save(equity_figure(evaluation, title), Path(path))
 
 
-def equity_figure(curves: Mapping[str, Any], title: str,
-                  timestamps: Sequence | np.ndarray | None = None) -> Figure:
-    """Equity curves and drawdowns of several policies on the same bars.
+def equity_figure(evaluation: Mapping[str, Any], title: str) -> Figure:
+    """The portfolios of one evaluation by date: equity, drawdown and the agent's exposure.
 
     Args:
-      curves: policy name -> equity ``[T]`` (e.g. the mean over instruments) or ``[n, T]`` (one
-        row per instrument or window: drawn as the mean with a 10-90% band). Names
-        ``agent``, ``buy_and_hold``, ``random`` get fixed styles; NaN ends a path.
+      evaluation: :func:`~foxhunt_jax.training.metrics.evaluation_results` (``dates``,
+        ``curves``, ``exposure``, ``metrics``): the agent, the oracle where present,
+        buy-and-hold and flat as lines, the random policies as their 5-95% band (date by date)
+        with their median dotted; each legend entry gives the figures the tables show for
+        that curve (:func:`legend_label`, :func:`band_label`).
       title: figure title.
-      timestamps: optional ``[T]`` datetimes for the x axis (else bar index).
     """
-    fig = Figure(figsize=(10, 6.5))
-    ax, ax_dd = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 1.2]))
-    x = None if timestamps is None else np.asarray(timestamps)
-    start_level = None
-    for name, values in curves.items():
-        arr = np.asarray(values, np.float64)
-        if arr.ndim not in (1, 2) or arr.shape[-1] < 1:
-            raise ValueError(f"equity curve '{name}' must be [T] or [n, T], got shape {arr.shape}")
-        mean, band = _mean_band(arr)
-        if x is not None and len(x) != mean.shape[0]:
-            raise ValueError(f"{len(x)} timestamps for {mean.shape[0]} points of curve '{name}'")
-        xs = np.arange(mean.shape[0]) if x is None else x
-        style = _style(name)
-        start, end = mean[0], _last_finite(mean)
-        start_level = start if start_level is None else start_level
-        dd = _drawdown(mean)
-        style["label"] += (f"  (return {end / start - 1:+.1%}, max drawdown "
-                           f"{-np.nanmin(dd):.1%})")
-        line = ax.plot(xs, mean, **style)[0]
-        if band is not None:
-            ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.15, lw=0)
-        ax_dd.plot(xs, dd, color=line.get_color(), lw=1.0, ls=style["ls"])
-    if start_level is not None:
-        ax.axhline(start_level, color="black", lw=0.6, alpha=0.5)
+    dates, curves, metrics = (np.asarray(evaluation["dates"]), evaluation["curves"],
+                              evaluation["metrics"])
+    fig = Figure(figsize=(10, 8))
+    ax, ax_dd, ax_x = fig.subplots(3, 1, sharex=True,
+                                   gridspec_kw=dict(height_ratios=[3, 1.1, 1.1]))
+    for name in ("agent", "oracle", "buy_and_hold", "flat"):
+        if name not in curves:
+            continue
+        curve = np.asarray(curves[name], np.float64)
+        if curve.shape != dates.shape:
+            raise ValueError(f"curve '{name}' has {curve.shape[0]} points for {len(dates)} dates")
+        style = dict(_style(name), label=legend_label(name, metrics[name]))
+        line = ax.plot(dates, curve, **style)[0]
+        if name != "flat":
+            ax_dd.plot(dates, _drawdown(curve), color=line.get_color(), lw=1.0, ls=style["ls"])
+    if "random_p5" in curves:
+        style = POLICY_STYLE["random"]
+        ax.fill_between(dates, curves["random_p5"], curves["random_p95"], color=style["color"],
+                        alpha=0.25, lw=0, label=band_label(metrics["random"]))
+        ax.plot(dates, curves["random_p50"], **dict(style, label=(
+            "random policies, median  (return "
+            f"{_fmt_metric('total_return', metrics['random']['p50'].get('total_return'))})")))
     ax.set_title(title)
     ax.set_ylabel("equity")
-    ax.legend(loc="best", fontsize=9)
+    ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     ax_dd.set_ylabel("drawdown")
     ax_dd.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-    ax_dd.set_xlabel("time" if x is not None else "bar")
     ax_dd.grid(alpha=0.3)
-    if x is not None and np.issubdtype(np.asarray(x).dtype, np.datetime64):
-        fig.autofmt_xdate()
+    # exposure[k] is held from dates[k] to dates[k + 1]
+    exposure = np.asarray(evaluation["exposure"]["agent"], np.float64)
+    ax_x.step(dates[:-1], exposure, where="post", color=POLICY_STYLE["agent"]["color"], lw=1.0)
+    ax_x.fill_between(dates[:-1], exposure, step="post", color=POLICY_STYLE["agent"]["color"],
+                      alpha=0.2, lw=0)
+    ax_x.axhline(0.0, color="black", lw=0.6, alpha=0.5)
+    ax_x.set_ylim(-1.05, 1.05)
+    ax_x.set_ylabel("agent net\nexposure")
+    ax_x.set_xlabel("date")
+    ax_x.grid(alpha=0.3)
+    fig.autofmt_xdate()
     return fig
 
 
@@ -313,6 +325,8 @@ _RATIO = ("sharpe", "sortino", "calmar")
 
 
 def _fmt_metric(key: str, value: Any) -> str:
+    if isinstance(value, str):  # already formatted
+        return value
     if value is None or (isinstance(value, float) and not np.isfinite(value)):
         return "n/a" if value is None or np.isnan(value) else f"{value:+}"
     if key in _SIGNED_PERCENT:
@@ -348,16 +362,32 @@ def metrics_table(metrics: Mapping[str, Mapping[str, Any]], title: str = "") -> 
     return "\n".join(lines)
 
 
+def evaluation_table(metrics: Mapping[str, Any], title: str = "") -> str:
+    """:func:`metrics_table` of an evaluation's portfolios
+    (:func:`~foxhunt_jax.training.metrics.evaluation_results`' ``metrics``): the agent, the
+    oracle where present, buy-and-hold, flat, the random policies' 5th, 50th and 95th
+    percentiles (``random_p5`` ...) and ``agent_pct``, the agent's
+    :func:`~foxhunt_jax.training.metrics.beat_percentile` ("-" for a metric with no better side).
+    """
+    columns = {name: metrics[name] for name in ("agent", "oracle", "buy_and_hold", "flat")
+               if name in metrics}
+    for q in ("p5", "p50", "p95"):
+        columns[f"random_{q}"] = metrics["random"][q]
+    pct = metrics["agent_percentile"]
+    columns["agent_pct"] = {k: f"{pct[k]:.1f}" if k in pct else "-" for k in metrics["agent"]}
+    return metrics_table(columns, title)
+
+
 def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
-                 curves: Mapping[str, Mapping[str, Any]] | None = None,
+                 evaluations: Mapping[str, Mapping[str, Any]] | None = None,
                  records: Sequence[Mapping] | None = None) -> list[Path]:
     """Writes report/summary.json and every plot the inputs allow; returns the files written.
 
     Args:
       out_dir: the run directory (the report goes to ``out_dir/report``).
       summary: JSON-able dict (final metrics of agent and baselines, config digest, ...).
-      curves: split name -> {policy name -> equity ``[T]`` or ``[n, T]``, optional
-        ``"timestamps"`` -> ``[T]`` datetimes}; gives ``equity_<split>.png``.
+      evaluations: split name -> :func:`~foxhunt_jax.training.metrics.evaluation_results`;
+        gives ``equity_<split>.png`` (:func:`equity_figure`).
       records: epoch records; read from ``out_dir/metrics.jsonl`` when None.
     """
     report_dir = Path(out_dir) / "report"
@@ -369,11 +399,9 @@ def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
     os.replace(tmp, summary_path)
     written.append(summary_path)
 
-    for split, split_curves in (curves or {}).items():
-        policies = {k: v for k, v in split_curves.items() if k != "timestamps"}
-        written.append(plot_equity(report_dir / f"equity_{split}.png", policies,
-                                   title=f"Equity on the {split} split",
-                                   timestamps=split_curves.get("timestamps")))
+    for split, evaluation in (evaluations or {}).items():
+        written.append(plot_equity(report_dir / f"equity_{split}.png", evaluation,
+                                   title=f"Equal-weight portfolio on the {split} split"))
     if records is None:
         records = read_metrics(out_dir)
     if records:
@@ -382,5 +410,6 @@ def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
     return written
 
 
-__all__ = ["write_report", "metrics_table", "plot_equity", "plot_training", "plot_phases",
+__all__ = ["write_report", "metrics_table", "evaluation_table", "legend_label", "band_label",
+           "plot_equity", "plot_training", "plot_phases",
            "equity_figure", "training_figure", "phases_figure"]

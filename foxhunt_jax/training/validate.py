@@ -1,4 +1,4 @@
-"""Greedy validation and full-split evaluation of the trading agent (DESIGN 3.10).
+"""Greedy validation and full-split evaluation of the trading agent.
 
 * Per-epoch validation: a fixed set of windows of L bars (starts evenly spaced over the valid
   starts of the validation split, so every instrument with room for a window gets its share;
@@ -9,7 +9,9 @@
 
 Both return equity paths; :mod:`foxhunt_jax.training.metrics` turns them into trading metrics.
 Buy-and-hold buys one unit of equity at the first close (paying the proportional cost) and
-marks it at every later close; the random policy draws every branch uniformly with a fixed key.
+marks it at every later close; the flat policy stays in cash; the random policies draw every
+branch uniformly (the agent's exploration draw), many of them in one program
+(:func:`random_walks`).
 
 A policy here is ``policy(key, obs [W, D], state) -> actions [W, B] int32`` where ``state`` is
 the batched :class:`~foxhunt_jax.env.trading.EnvState` the observation was made from. The
@@ -27,11 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.agent.learner import Learner
-from foxhunt_jax.agent.loss import bootstrap_loss, n_step_targets
-from foxhunt_jax.agent.network import q_forward, taken_logits
+from foxhunt_jax.agent.network import explore_draws
+from foxhunt_jax.agent.loss import n_step_targets
+from foxhunt_jax.backend import Backend
 from foxhunt_jax.data.synthetic import SYNTHETIC_SOURCE, oracle_exposure
 from foxhunt_jax.env import trading
 from foxhunt_jax.training.collect import greedy_after
+from foxhunt_jax.training.fused import evaluate_trajectory
 
 
 def window_starts(starts: np.ndarray, count: int) -> np.ndarray:
@@ -49,7 +53,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
     observation belongs to). An episode stops after ``lengths[w]`` steps
     (default ``num_steps``) or when it terminates (ruin); after that it is masked out (equity
     NaN, reward 0, ``alive`` False). Returns a dict of [L, W] arrays: the compact encodings for
-    the loss, rewards, terminated, truncated, equity, exposure, traded, alive.
+    the loss, rewards, terminated, truncated, equity, exposure, traded, fills, turnover, alive.
     """
     obs, state = jax.vmap(trading.reset_at, in_axes=(0, None))(starts, env_params)
     w = starts.shape[0]
@@ -67,7 +71,7 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
         obs2, state2, reward, term, trunc, info = step_v(jax.random.split(k_env, w), state, action,
                                                         env_params)
         out = _record(env_params, t, lengths, alive, state.bar, obs[:, -p:], state2.bar,
-                      obs2[:, -p:], action, reward, term, trunc, info["equity"], info["traded"])
+                      obs2[:, -p:], action, reward, term, trunc, info)
         keep = lambda new, old: jnp.where(alive.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state2 = jax.tree.map(keep, state2, state)
         obs2 = keep(obs2, obs)
@@ -80,55 +84,70 @@ def policy_rollout(env_params, starts: jax.Array, num_steps: int, policy, key: j
 
 
 def _record(env_params, t, lengths, alive, bar, portfolio, next_bar, next_portfolio, action,
-            reward, terminated, truncated, equity, traded) -> dict:
+            reward, terminated, truncated, info) -> dict:
     """One step's record of :func:`policy_rollout`, masked by ``alive`` (any batch shape: [W]
-    inside the scan, [L, W] for the fused kernel's raw results)."""
+    inside the scan, [L, W] for the fused kernel's raw results); ``info`` holds the step's
+    ``equity``, ``traded``, ``fills`` and ``turnover`` (the env's info)."""
     return {"bar": bar, "portfolio": portfolio, "next_bar": next_bar,
             "next_portfolio": next_portfolio, "action": action,
             "reward": jnp.where(alive, reward, 0.0), "terminated": terminated & alive,
             "truncated": (truncated | (t + 1 >= lengths)) & alive,
-            "equity": jnp.where(alive, equity, jnp.nan),
-            # the position held over the bar is the chosen exposure (a trade moves to it, or it is kept)
+            "equity": jnp.where(alive, info["equity"], jnp.nan),
+            # the position taken into the bar is the chosen exposure (a trade moves to it, or it
+            # is kept); a barrier or ruin exit during the bar is counted in fills and turnover
             "exposure": jnp.where(alive, env_params.exposures[action[..., 0]], 0.0),
-            "traded": traded & alive, "alive": alive}
+            "traded": info["traded"] & alive, "fills": jnp.where(alive, info["fills"], 0),
+            "turnover": jnp.where(alive, info["turnover"], 0.0), "alive": alive}
 
 
-def greedy_policy(learner: Learner, params):
-    """The agent's greedy actions (highest expected Q per branch); ignores key and state."""
+def greedy_policy(learner: Learner, backend: Backend, params):
+    """The agent's greedy actions (highest expected Q per branch, ``backend.q_forward``);
+    ignores key and state."""
     def policy(key, obs, state):
         del key, state
-        return q_forward(params, obs, learner.network, learner.support,
-                         learner.net_cfg.backend)[1]
+        return backend.q_forward(params, obs, learner.network, learner.support)[1]
     return policy
 
 
-def greedy_rollout(learner: Learner, params, env_params, starts: jax.Array, num_steps: int,
-                   key: jax.Array, lengths: jax.Array | None = None):
-    """:func:`policy_rollout` of the agent's :func:`greedy_policy`; with
-    ``network.backend=pallas`` and up to ``fused.MAX_KERNEL_EPISODES`` windows the whole rollout
-    is one kernel (:mod:`foxhunt_jax.training.fused`, tested equal)."""
-    from foxhunt_jax.training.fused import evaluate_trajectory, use_rollout_kernel
-
-    if not use_rollout_kernel(learner, starts.shape[0]):
-        return policy_rollout(env_params, starts, num_steps, greedy_policy(learner, params), key,
-                              lengths)
+def greedy_rollout(learner: Learner, backend: Backend, params, env_params, starts: jax.Array,
+                   num_steps: int, key: jax.Array, lengths: jax.Array | None = None):
+    """:func:`policy_rollout` of the agent's :func:`greedy_policy`; where ``backend`` runs the
+    rollout of that many windows as a kernel, the whole rollout is one
+    (:func:`foxhunt_jax.training.fused.evaluate_trajectory`, tested equal)."""
+    if not backend.runs_rollout_kernel(starts.shape[0]):
+        return policy_rollout(env_params, starts, num_steps,
+                              greedy_policy(learner, backend, params), key, lengths)
 
     w = starts.shape[0]
     lengths = jnp.full((w,), num_steps, jnp.int32) if lengths is None else jnp.asarray(lengths)
-    raw = evaluate_trajectory(learner, params, env_params, starts, num_steps, lengths)
+    raw = evaluate_trajectory(learner, backend, params, env_params, starts, num_steps, lengths)
     return _record(env_params, raw["step"], lengths, raw["alive"], raw["bar"], raw["portfolio"],
                    raw["next_bar"], raw["next_portfolio"], raw["action"], raw["reward"],
-                   raw["terminated"], raw["truncated"], raw["equity"], raw["traded"])
+                   raw["terminated"], raw["truncated"], raw)
 
 
 def random_policy(branch_sizes):
-    """Every branch uniform over its actions; ignores state."""
+    """Every branch uniform over its actions, independently: the random draw of the agent's
+    epsilon-greedy exploration (:func:`~foxhunt_jax.agent.network.explore_draws` at epsilon 1);
+    ignores state."""
     def policy(key, obs, state):
         del state
-        keys = jax.random.split(key, len(branch_sizes))
-        return jnp.stack([jax.random.randint(k, (obs.shape[0],), 0, n, jnp.int32)
-                          for k, n in zip(keys, branch_sizes)], axis=-1)
+        return explore_draws(key, obs.shape[0], branch_sizes, 1.0)
     return policy
+
+
+def random_walks(env_params, starts: jax.Array, num_steps: int, key: jax.Array,
+                 lengths: jax.Array, branch_sizes, policies: int) -> dict:
+    """``policies`` random policies (:func:`random_policy`, policy ``p`` drawing from
+    ``split(key, policies)[p]``), each walking every window of :func:`policy_rollout`; one
+    traced program (vmap over the policies). Returns ``[P, W, L]`` arrays ``equity``,
+    ``exposure``, ``traded``, ``fills``, ``turnover`` and ``action [P, W, L, B]``."""
+    def walk(k):
+        traj = policy_rollout(env_params, starts, num_steps, random_policy(branch_sizes), k,
+                              lengths)
+        return {name: jnp.swapaxes(traj[name], 0, 1)
+                for name in ("equity", "exposure", "traded", "fills", "turnover", "action")}
+    return jax.vmap(walk)(jax.random.split(key, policies))
 
 
 def oracle_policy(last_log_return, env_cfg):
@@ -138,6 +157,11 @@ def oracle_policy(last_log_return, env_cfg):
     -1) after a down bar, i.e. :func:`foxhunt_jax.data.synthetic.oracle_exposure` of the last
     return; flat (the exposure nearest 0) after an unchanged close. Barrier branches take their
     widest multiple so the barriers interfere as little as the env allows.
+
+    The last return is known at the decision bar's close, as the agent's observation is, so the
+    oracle obeys the env's fill timing: under ``next_open`` fills it captures the next bar's
+    return from its open on (the synthetic opens sit at the previous close up to a tiny noise,
+    so it forgoes almost nothing); it never trades on a return it could not have seen.
 
     Args:
       last_log_return: [T] raw one-bar log returns of the whole table
@@ -161,8 +185,9 @@ def oracle_policy(last_log_return, env_cfg):
     return policy
 
 
-def validation_loss(learner: Learner, params, target_params, env_params, traj) -> jax.Array:
-    """Mean C51 loss over the held-out transitions of a validation rollout.
+def validation_loss(learner: Learner, backend: Backend, params, target_params, env_params,
+                    traj) -> jax.Array:
+    """Mean C51 loss over the held-out transitions of a validation rollout, on ``backend``.
 
     The learner's loss (:func:`~foxhunt_jax.agent.learner.per_sample_loss`), except that the
     online network's greedy action at a bootstrap observation is the rollout's own where the
@@ -179,46 +204,81 @@ def validation_loss(learner: Learner, params, target_params, env_params, traj) -
     rows = jnp.arange(steps)[:, None] + offsets - 1
     take = lambda x: jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
-    net, z, backend = learner.network, learner.support, learner.net_cfg.backend
+    net, z = learner.network, learner.support
     # the greedy action at each step's next observation: the next step's action, or a forward
     per_window = min(steps, max(1, steps - env_params.episode_length + 1))
-    greedy = greedy_after(learner, params, traj["action"], traj["truncated"] & traj["alive"],
+    greedy = greedy_after(learner, backend, params, traj["action"],
+                          traj["truncated"] & traj["alive"],
                           {"bar": traj["next_bar"], "portfolio": traj["next_portfolio"]},
                           lambda e: trading.decode(e, env_params), per_window * w)
     obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),
                                "portfolio": flat(take(traj["next_portfolio"]))}, env_params)
-    losses = bootstrap_loss(target_params, next_obs, flat(take(greedy)),
-                            taken_logits(params, obs, flat(traj["action"]), net, backend),
-                            flat(returns), flat(discounts), net, z, backend)
+    losses = backend.bootstrap_loss(target_params, next_obs, flat(take(greedy)),
+                                    backend.taken_logits(params, obs, flat(traj["action"]), net),
+                                    flat(returns), flat(discounts), net, z)
     weight = flat(traj["alive"]).astype(jnp.float32)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
 def equity_paths(traj) -> dict:
-    """[W, L+1] equity starting at 1, [W, L] exposure and traded flags, as host NumPy."""
+    """[W, L+1] equity starting at 1; [W, L] exposure, traded flags (the chosen trades), trades
+    (every fill: chosen trades and barrier or ruin exits) and turnover, as host NumPy."""
     eq = np.asarray(traj["equity"], np.float64).T
     eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
     return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
-            "traded": np.asarray(traj["traded"]).T}
+            "traded": np.asarray(traj["traded"]).T, "trades": np.asarray(traj["fills"]).T,
+            "turnover": np.asarray(traj["turnover"], np.float64).T}
 
 
-def buy_and_hold_paths(close: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                       cost_rate: float) -> dict:
-    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure and trades."""
+def walk_paths(walks: dict) -> dict:
+    """:func:`random_walks`' arrays as host NumPy paths (:func:`equity_paths`' layout with a
+    leading ``[P]``): ``equity [P, W, L+1]`` starting at 1, ``exposure``, ``traded``, ``trades``
+    and ``turnover [P, W, L]``, ``action [P, W, L, B]``."""
+    eq = np.asarray(walks["equity"], np.float64)
+    eq = np.concatenate([np.ones(eq.shape[:-1] + (1,)), eq], axis=-1)
+    return {"equity": eq, "exposure": np.asarray(walks["exposure"], np.float64),
+            "traded": np.asarray(walks["traded"]), "trades": np.asarray(walks["fills"]),
+            "turnover": np.asarray(walks["turnover"], np.float64),
+            "action": np.asarray(walks["action"])}
+
+
+def flat_paths(lengths: np.ndarray) -> dict:
+    """Staying flat (in cash): equity 1 [W, max_len+1] (NaN after each window ends), no
+    exposure, no trades."""
+    w, m = len(lengths), int(np.max(lengths))
+    eq = np.where(np.arange(m + 1)[None, :] <= np.asarray(lengths)[:, None], 1.0, np.nan)
+    return {"equity": eq, "exposure": np.zeros((w, m)), "traded": np.zeros((w, m), bool),
+            "trades": np.zeros((w, m), np.int64), "turnover": np.zeros((w, m))}
+
+
+def walk_dates(timestamps: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list:
+    """The date of every equity mark of each walk: ``[n + 1]`` datetime64 from ``starts[w]``
+    (a walk's equity after step ``j`` is marked at the close of bar ``start + j + 1``)."""
+    return [np.asarray(timestamps[s:s + n + 1]) for s, n in zip(starts, lengths)]
+
+
+def buy_and_hold_paths(tables, env_cfg, starts: np.ndarray, lengths: np.ndarray) -> dict:
+    """Buy-and-hold equity [W, max_len+1] (NaN after each window ends), exposure, traded flags,
+    trades and turnover (:func:`equity_paths`' layout): one buy, filled by the env's rule
+    (``env.fill``: the first bar's close, or the next bar's open; ``env.slippage_bps`` against
+    it, ``env.cost_bps`` on top), then held and marked at each close."""
+    cost, slip = env_cfg.cost_bps / 1e4, env_cfg.slippage_bps / 1e4
     w, m = len(starts), int(np.max(lengths))
     eq = np.full((w, m + 1), np.nan)
     expo = np.zeros((w, m))
     traded = np.zeros((w, m), bool)
     for i, (s, n) in enumerate(zip(starts, lengths)):
-        px = np.asarray(close[s:s + n + 1], np.float64)
-        units = 1.0 / (px[0] * (1.0 + cost_rate))
+        px = np.asarray(tables.close[s:s + n + 1], np.float64)
+        fill = float(tables.open[s + 1]) if env_cfg.fill == "next_open" else px[0]
+        units = 1.0 / (fill * (1.0 + slip) * (1.0 + cost))
         eq[i, :n + 1] = units * px
         eq[i, 0] = 1.0
         expo[i, :n] = 1.0
         traded[i, 0] = True
-    return {"equity": eq, "exposure": expo, "traded": traded}
+    return {"equity": eq, "exposure": expo, "traded": traded, "trades": traded.astype(np.int64),
+            "turnover": traded.astype(np.float64)}
 
 
 def is_synthetic(market) -> bool:

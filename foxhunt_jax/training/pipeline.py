@@ -1,0 +1,305 @@
+"""Compiling, queueing, pairing and timing the phase programs of :mod:`.phases`.
+
+**Programs.** Each phase is one jitted program: ``experience``, ``training`` and ``validation``,
+and, where :func:`pairs_rollouts` holds, ``validation_experience`` (one epoch's Validation and
+the next epoch's Experience). The state keeps its placement from program to program
+(:func:`state_shardings`), so donation reuses its buffers; stats and metrics come back
+replicated. Validation runs on this process's first device of the mesh with its copy of the
+replicated agent, so its program is the same for every mesh. Programs are compiled ahead of time
+through the executable cache (:func:`~foxhunt_jax.jitcache.compile_cached`, keyed by the program
+name and :func:`program_key_config`), in threads at once.
+
+**Queueing and timing.** An epoch queues its programs back to back and waits only afterwards, so
+each program's launch overlaps the device work before it. A thread per phase notes the moment
+that phase's results are ready (:func:`ready_clock`). A phase's time runs from the previous
+phase's completion to its own; Experience's from the call, or from the previous epoch's
+Validation when that epoch queued it. A phase seen to end before the one before it counts as
+0 ms (a CPU may run a queued Experience beside the Validation queued before it).
+
+**The ahead state.** ``Pipeline.run_epoch(state, queue_next=True)`` also queues the next
+epoch's Experience and Training behind this epoch's Validation, before this epoch's results
+are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
+
+- what it holds: the state after the next epoch's Experience and Training (its agent, replay,
+  episodes and key are those of after that Training, and its epoch counter is one more than
+  the epoch just reported), the Experience stats and Training metrics of that epoch (device
+  arrays, possibly still being computed), their completion clocks, and the moment this
+  epoch's Validation was seen complete (where the next epoch's time starts).
+- ``run_epoch`` returns ``ahead.state``: the caller passes it, the same object, to the next
+  ``run_epoch``, which takes up the queued phases instead of queueing them again, then queues
+  that epoch's Validation (and, if asked, the epoch after it). Any other state drops the ahead
+  phases and runs its own.
+- never checkpoint an ahead state: its counter counts an epoch whose Validation has not run
+  and whose record has not been written, so a resume from it would not reproduce the run.
+- draining: ``run_epoch(ahead.state, queue_next=False)`` finishes the queued epoch and queues
+  nothing, so the state it returns is at its epoch and may be checkpointed.
+  :func:`foxhunt_jax.api.train` queues only after epochs that are neither checkpointed nor
+  the last.
+
+With ``validation_experience`` the queued Experience is part of the Validation program: the
+Validation time then includes the next epoch's Experience, whose own time reads about 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from foxhunt_jax import parallel
+from foxhunt_jax.agent.learner import AgentState, Learner
+from foxhunt_jax.backend import Backend
+from foxhunt_jax.config import Config
+from foxhunt_jax.jitcache import compile_cached, jit
+from foxhunt_jax.training import phases
+from foxhunt_jax.training.phases import TrainerState
+
+PAIRED_PROGRAM = "validation_experience"
+
+
+def state_shardings(state: TrainerState, mesh) -> TrainerState:
+    """Shardings of a (possibly abstract) state: rollout and replay split along the shard axis,
+    the agent, key and epoch replicated."""
+    whole, split = parallel.replicated(mesh), parallel.sharded(mesh)
+    return TrainerState(agent=jax.tree.map(lambda _: whole, state.agent),
+                        buffer=jax.tree.map(lambda _: split, state.buffer),
+                        rollout=jax.tree.map(lambda _: split, state.rollout), key=whole,
+                        epoch=whole)
+
+
+def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
+    """Whether queued epochs run Validation and the next Experience as one program: the setting
+    ``train.pair_rollouts`` is on, both rollouts are kernels
+    (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`), and the phases run on one device
+    (Validation runs on the mesh's first device, Experience on the whole mesh). Two rollout
+    kernels run at once on a GPU; two ``lax.scan`` rollouts do not (docs/training.md)."""
+    return (cfg.train.pair_rollouts
+            and backend.runs_rollout_kernel(cfg.train.num_episodes)
+            and backend.runs_rollout_kernel(cfg.train.validation_windows)
+            and (mesh is None or mesh.size == 1))
+
+
+def program_key_config(cfg: Config, name: str) -> Config:
+    """The config that keys phase program ``name`` in the executable cache.
+
+    The training program leaves ``network.backend`` out: the update always runs the Flax layers,
+    so both backends lower it to the same program (a test compares them) and a run of either
+    backend loads the one the other compiled. ``train.pair_rollouts`` only decides whether the
+    ``validation_experience`` program exists, so the other programs' keys leave it out.
+    """
+    if name != PAIRED_PROGRAM:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
+    if name != "training":
+        return cfg
+    return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
+
+
+def ready_clock(tree) -> Callable[[], float]:
+    """Starts a thread that waits until ``tree``'s arrays are ready; the returned function joins
+    it and gives that moment (``time.perf_counter``), or raises what the wait raised (a failed
+    program). The thread waits in JAX's C++ code without the GIL, so the caller may keep
+    queueing programs meanwhile without delaying the reading."""
+    box = {}
+
+    def wait():
+        try:
+            jax.block_until_ready(tree)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by join()
+            box["error"] = e
+        box["time"] = time.perf_counter()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+
+    def join() -> float:
+        waiter.join()
+        if "error" in box:
+            raise box["error"]
+        return box["time"]
+    return join
+
+
+@dataclass(frozen=True)
+class ProgramInputs:
+    """The device arrays the phase programs read besides the state, placed once."""
+
+    train_env_params: Any  # replicated on the mesh
+    validation_env_params: Any  # on this process's first device of the mesh
+    window_starts: jax.Array  # [W] int32 validation window starts, on that device
+    schedule: jax.Array  # [6] float32 schedule_values, replicated on the mesh
+
+
+class Queued(NamedTuple):
+    """A queued program's results and the clock of their completion (:func:`ready_clock`)."""
+
+    results: Any
+    ready: Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The next epoch's Experience and Training, queued by ``run_epoch(..., queue_next=True)``
+    (the module docstring says when such a state may be used and checkpointed)."""
+
+    state: TrainerState  # the state after them
+    experience: Queued  # their stats
+    training: Queued  # its metrics
+    since: float  # when this epoch's Validation was seen complete: the next epoch's start
+
+
+class EpochResults(NamedTuple):
+    """One epoch's device results, read by the trainer after the next epoch is queued."""
+
+    experience_stats: dict  # phases.experience's stats
+    training_metrics: dict  # phases.training's metrics
+    validation_paths: dict  # [L, W] equity, exposure, traded, fills, turnover
+    validation_loss: jax.Array  # []
+
+
+class Pipeline:
+    """The compiled phase programs of one trainer, and the epoch that may be queued ahead."""
+
+    def __init__(self, learner: Learner, backend: Backend, cfg: Config, mesh,
+                 inputs: ProgramInputs):
+        self.learner, self.backend, self.cfg, self.mesh = learner, backend, cfg, mesh
+        self.inputs = inputs
+        self.programs: dict[str, Any] = {}  # name -> compiled program
+        self.ahead: Ahead | None = None
+
+    @property
+    def pairs_rollouts(self) -> bool:
+        """Whether queued epochs run the ``validation_experience`` program
+        (:func:`pairs_rollouts`)."""
+        return pairs_rollouts(self.backend, self.cfg, self.mesh)
+
+    def jitted_programs(self, state: TrainerState, queued: bool = False) -> dict:
+        """``{name: (jitted, example_args)}`` of experience, training and validation; with
+        ``queued`` (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
+        ``validation_experience``."""
+        learner, backend, cfg, mesh = self.learner, self.backend, self.cfg, self.mesh
+        inputs = self.inputs
+        placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
+        experience = jit(lambda p, s, e: phases.experience(learner, backend, cfg, p, s, e, mesh),
+                         donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                         out_shardings=(placed, replicated))
+        training = jit(lambda p, s, e: phases.training(learner, cfg, p, s, e),
+                       donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                       out_shardings=(placed, replicated), training=True)
+        validation = jit(lambda p, w, a: phases.validation(learner, backend, cfg, p, w, a))
+        train_args = (inputs.train_env_params, state, inputs.schedule)
+        validation_args = (inputs.validation_env_params, inputs.window_starts)
+        programs = {"experience": (experience, train_args),
+                    "training": (training, train_args),
+                    "validation": (validation, validation_args + (self._local_agent(state),))}
+        if queued and self.pairs_rollouts:
+            paired = jit(lambda v, w, p, s, e: phases.validation_experience(
+                             learner, backend, cfg, v, w, p, s, e),
+                         donate_argnums=3,
+                         in_shardings=(replicated, replicated, replicated, placed, replicated),
+                         out_shardings=(replicated, replicated, placed, replicated))
+            programs[PAIRED_PROGRAM] = (paired, validation_args + train_args)
+        return programs
+
+    def compile(self, state: TrainerState, *, threads: bool = True,
+                queued: bool = False) -> tuple[float, int]:
+        """Compiles (or loads) :meth:`jitted_programs` in place of any compiled before; returns
+        the milliseconds it took and how many the executable cache served. ``threads``: one
+        thread a program (XLA's compiler and the loading release the GIL)."""
+        start = time.perf_counter()
+        self.programs = {}
+        loaded = self._compile(self.jitted_programs(state, queued), threads)
+        return (time.perf_counter() - start) * 1e3, loaded
+
+    def compile_paired(self, state: TrainerState) -> float:
+        """Compiles ``validation_experience`` where :attr:`pairs_rollouts` holds and it is not
+        compiled yet (the first queued epoch of a pipeline compiled without it); returns the
+        milliseconds it took, 0.0 when there was nothing to do."""
+        if not self.pairs_rollouts or PAIRED_PROGRAM in self.programs:
+            return 0.0
+        start = time.perf_counter()
+        paired = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
+        self._compile({PAIRED_PROGRAM: paired}, threads=False)
+        return (time.perf_counter() - start) * 1e3
+
+    def _compile(self, jitted: dict, threads: bool) -> int:
+        """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns how many
+        the executable cache served."""
+        def build(name):
+            program, args = jitted[name]
+            return compile_cached(program, args, name=name,
+                                  config=program_key_config(self.cfg, name))
+
+        if threads:
+            with ThreadPoolExecutor(max_workers=len(jitted)) as pool:
+                built = dict(zip(jitted, pool.map(build, jitted)))
+        else:
+            built = {name: build(name) for name in jitted}
+        self.programs.update({name: compiled for name, (compiled, _) in built.items()})
+        return sum(int(loaded) for _, loaded in built.values())
+
+    def run_epoch(self, state: TrainerState, queue_next: bool = False
+                  ) -> tuple[TrainerState, EpochResults, dict]:
+        """Runs one epoch through the compiled programs; returns ``(state, results, phase_ms)``
+        with ``phase_ms`` the experience, training and validation milliseconds.
+
+        ``queue_next``: queue the next epoch's Experience and Training before waiting; the
+        returned state is then ahead (module docstring).
+        """
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.state is state:
+            start, experience, training = ahead.since, ahead.experience, ahead.training
+        else:
+            start = time.perf_counter()
+            state, experience, training = self._queue_experience_and_training(state)
+
+        inputs, next_epoch = self.inputs, None
+        if queue_next and PAIRED_PROGRAM in self.programs:
+            # the next epoch's Experience completes with this Validation
+            paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
+                inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
+                state, inputs.schedule)
+            validation = Queued((paths, loss), ready_clock((paths, loss)))
+            next_epoch = self._queue_training(state, next_stats)
+        else:
+            paths, loss = self.programs["validation"](
+                inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
+            validation = Queued((paths, loss), ready_clock((paths, loss)))
+            if queue_next:  # donates `state`, which Validation above was queued to read first
+                next_epoch = self._queue_experience_and_training(state)
+
+        experience_end = max(experience.ready(), start)
+        training_end = max(training.ready(), experience_end)
+        validation_end = max(validation.ready(), training_end)
+        if next_epoch is not None:
+            state = next_epoch[0]
+            self.ahead = Ahead(*next_epoch, since=validation_end)
+        phase_ms = {"experience": (experience_end - start) * 1e3,
+                    "training": (training_end - experience_end) * 1e3,
+                    "validation": (validation_end - training_end) * 1e3}
+        results = EpochResults(experience.results, training.results, paths, loss)
+        return state, results, phase_ms
+
+    def _queue_experience_and_training(self, state: TrainerState
+                                       ) -> tuple[TrainerState, Queued, Queued]:
+        state, stats = self.programs["experience"](self.inputs.train_env_params, state,
+                                                   self.inputs.schedule)
+        return self._queue_training(state, stats)
+
+    def _queue_training(self, state: TrainerState, experience_stats: dict
+                        ) -> tuple[TrainerState, Queued, Queued]:
+        """Queues Training right behind the Experience that produced ``state``, so its launch
+        overlaps Experience's device work (Training donates the state, not the stats waited
+        on)."""
+        experience = Queued(experience_stats, ready_clock(experience_stats))
+        state, metrics = self.programs["training"](self.inputs.train_env_params, state,
+                                                   self.inputs.schedule)
+        return state, experience, Queued(metrics, ready_clock(metrics))
+
+    def _local_agent(self, state: TrainerState) -> AgentState:
+        """This process's first device's copy of the replicated agent (no transfer)."""
+        return parallel.local_view(state.agent, parallel.local_device(self.mesh))

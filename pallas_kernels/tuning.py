@@ -1,0 +1,146 @@
+"""Launch shapes and size thresholds of the kernels, by the device that runs them.
+
+This is the one place that reads the device: :func:`for_device` turns a ``jax.Device``'s
+properties (its platform and, on a GPU, its multiprocessor count ``core_count``) into a
+:class:`Tuning`. The numbers were measured on Hopper GPUs (H100/H200, 228 KB of shared memory a
+multiprocessor); docs/performance.md keeps the measurements. Any other CUDA GPU gets the same
+shapes with its own multiprocessor count; a platform without CUDA runs the kernels in Pallas'
+interpret mode (for checking on the CPU, not for speed) with the same shapes, so an interpreted
+kernel computes exactly what the compiled one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+
+# The grid size a launch aims for when the device does not report its multiprocessors (the CPU,
+# interpret mode): an H100/H200 has 132.
+DEFAULT_PROGRAMS = 132
+# Widest power-of-two block of one GEMM operand, per dtype: a [128, 256] x [256, 256] bfloat16
+# tile pair fits a Hopper multiprocessor's shared memory; float32 operands are twice the bytes.
+MAX_CHUNK = {"bfloat16": 256, "float32": 128}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape: rows per program (powers of two >= 16: ``block_rows`` at large N, down to
+    ``min_rows`` at small N so that the grid keeps about ``programs`` programs), warps per
+    program (``block_rows / 8`` clipped to ``[min_warps, num_warps]``), software-pipelining
+    stages, layout, the widest GEMM operand block (``max_chunk``; None: :data:`MAX_CHUNK` of the
+    dtype) and how many parameter blocks each program reads ahead of use (``lookahead``)."""
+
+    block_rows: int = 128
+    num_warps: int = 8
+    num_stages: int = 1
+    layout: str = "grouped"
+    min_rows: int = 16
+    min_warps: int = 4
+    max_chunk: int | None = None
+    lookahead: int = 0
+    programs: int = DEFAULT_PROGRAMS
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def block_rows_for(n: int, cfg: KernelConfig) -> int:
+    """Rows per program for ``n`` rows: ``cfg.block_rows``, smaller when ``n`` is small so that
+    the grid still has about ``cfg.programs`` programs (one per multiprocessor), never under
+    ``cfg.min_rows`` or 16 (the smallest tensor-core dot)."""
+    want = next_pow2(max(1, -(-n // cfg.programs)))
+    return int(min(cfg.block_rows, max(cfg.min_rows, 16, want)))
+
+
+@dataclass(frozen=True)
+class ReplaySearch:
+    """How the replay buffer's two-level slot search runs; it finds the same slots either way.
+
+    Attributes:
+      count_max: the most ``[M, k]`` pairs the block search compares at once (one kernel,
+        where a binary search launches ~log2(k) dependent ones: pays on a GPU); 0 where work,
+        not launches, counts (the CPU).
+      whole_blocks_max: the largest ``M x S`` gather of whole blocks for the slot inside a
+        block; above it a block is searched in sub-blocks, which reads far less at large M.
+    """
+
+    count_max: int = 0
+    whole_blocks_max: int = 1 << 18
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Everything device-dependent about how the kernels (and the replay's search) launch.
+
+    Attributes:
+      compiled: the kernels compile with Triton (a CUDA GPU); else they run interpreted.
+      programs: the device's multiprocessors (the grid size small launches aim for).
+      q_forward: ``(dtype, KernelConfig)`` pairs of the fused Q-forward (:meth:`q_forward_config`).
+      rollout: ``(dtype, KernelConfig)`` pairs of the rollout kernel (:meth:`rollout_config`).
+      rnd: the curiosity kernel's launch shape.
+      rollout_max_episodes: the most parallel episodes a rollout runs as one kernel; above it
+        the scan of per-step kernels is the faster form (one program then holds too many
+        episodes' state for the multiprocessors to stay occupied).
+      replay: the replay buffer's search shape (:class:`ReplaySearch`).
+    """
+
+    compiled: bool
+    programs: int
+    q_forward: tuple[tuple[str, KernelConfig], ...]
+    rollout: tuple[tuple[str, KernelConfig], ...]
+    rnd: KernelConfig
+    rollout_max_episodes: int
+    replay: ReplaySearch
+
+    def q_forward_config(self, dtype: str) -> KernelConfig:
+        return dict(self.q_forward)[dtype]
+
+    def rollout_config(self, dtype: str) -> KernelConfig:
+        return dict(self.rollout)[dtype]
+
+
+# The Q-forward: bfloat16 at 128 rows and 8 warps (fewer warps wait on tensor-core tiles; 2 warps
+# spill), weight blocks of 128 columns read two ahead; float32 operands are twice the bytes, so
+# half the rows. The rollout kernel reads whole weight blocks as used: a timestep is bound by
+# moving the weights through one multiprocessor, not by waiting for them. The curiosity kernel
+# takes the bfloat16 Q-forward's rows and warps.
+_Q_FORWARD = {"float32": KernelConfig(block_rows=64, num_warps=8, max_chunk=MAX_CHUNK["float32"]),
+              "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8, max_chunk=128,
+                                       lookahead=2)}
+_ROLLOUT = {dtype: dataclasses.replace(cfg, max_chunk=MAX_CHUNK[dtype], lookahead=0)
+            for dtype, cfg in _Q_FORWARD.items()}
+_RND = KernelConfig(block_rows=128, num_warps=8)
+ROLLOUT_MAX_EPISODES = 1 << 15
+_REPLAY_GPU = ReplaySearch(count_max=1 << 24)
+
+
+def _table(compiled: bool, programs: int) -> Tuning:
+    shaped = lambda table: tuple((dtype, dataclasses.replace(cfg, programs=programs))  # noqa: E731
+                                 for dtype, cfg in table.items())
+    return Tuning(compiled=compiled, programs=programs, q_forward=shaped(_Q_FORWARD),
+                  rollout=shaped(_ROLLOUT), rnd=dataclasses.replace(_RND, programs=programs),
+                  rollout_max_episodes=ROLLOUT_MAX_EPISODES,
+                  replay=_REPLAY_GPU if compiled else ReplaySearch())
+
+
+def is_cuda(device) -> bool:
+    """Whether ``device`` is a CUDA GPU (where the kernels compile with Triton)."""
+    return getattr(device, "platform", None) in ("gpu", "cuda")
+
+
+def for_device(device=None) -> Tuning:
+    """The :class:`Tuning` of ``device`` (default: JAX's first device). Read from the device:
+    its platform (compiled on a CUDA GPU, interpreted elsewhere) and its multiprocessor count
+    (``core_count``; :data:`DEFAULT_PROGRAMS` where it reports none)."""
+    if device is None:
+        device = jax.devices()[0]
+    cores = getattr(device, "core_count", None) if is_cuda(device) else None
+    return _table(is_cuda(device), int(cores) if cores else DEFAULT_PROGRAMS)
+
+
+__all__ = ["KernelConfig", "ReplaySearch", "Tuning", "for_device", "is_cuda", "block_rows_for",
+           "next_pow2", "DEFAULT_PROGRAMS", "MAX_CHUNK", "ROLLOUT_MAX_EPISODES"]
