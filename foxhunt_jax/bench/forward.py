@@ -241,12 +241,12 @@ def time_backends(out: dict, fns: dict, params, inputs: dict, extra, reps: int, 
     ``out["rows"]`` (``config`` names the forward) and prints it."""
     for n, obs in inputs.items():
         arg = extra(n)
-        for backend, f in fns.items():
+        for name, f in fns.items():
             ms = time_calls(lambda: f(params, obs, arg), reps, warmup=2)
-            out["rows"].append({"n": n, "backend": backend, "dtype": dtype, "config": config,
+            out["rows"].append({"n": n, "backend": name, "dtype": dtype, "config": config,
                                 **forward_rates(ms, n, flops)})
-            print(f"  {label} N={n} {backend}/{dtype}: {statistics.median(ms):.3f} ms"
-                  + (pallas_note if backend == "pallas" else ""), flush=True)
+            print(f"  {label} N={n} {name}/{dtype}: {statistics.median(ms):.3f} ms"
+                  + (pallas_note if name == "pallas" else ""), flush=True)
 
 
 def forward_rates(ms: list[float], n: int, flops: int) -> dict:
