@@ -297,7 +297,7 @@ def _args_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from foxhunt_jax.bench import run
+    from foxhunt_jax.bench.runner import run
 
     run(args)
     return 0

@@ -9,6 +9,7 @@ message naming the key. ``validate`` is the only place that checks ranges.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ import yaml
 from foxhunt_jax.data.features import DEFAULT_FEATURES, resolve_features
 from foxhunt_jax.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the configs shipped with the package: the repository's top-level configs/, which the package
+# holds as foxhunt_jax/configs (a link in a checkout, the files themselves in a wheel)
+CONFIG_DIR = Path(str(importlib.resources.files("foxhunt_jax") / "configs"))
 # Seeds the PRNGs take alike: jax.random.key gives the same key with and without x64 only for
 # 0 .. 2**32 - 1 (it wraps or refuses others), and NumPy's default_rng refuses negative seeds.
 SEED_RANGE = (0, 2**32 - 1)
@@ -281,7 +284,8 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def resolve_config_path(name: str | Path) -> Path:
-    """A path as given, or a bare name like ``smoke`` looked up in the package's configs/."""
+    """A path as given, else a name like ``smoke`` (or ``configs/smoke.yaml``) looked up among
+    the configs the package ships (:data:`CONFIG_DIR`)."""
     p = Path(name)
     if p.exists():
         return p

@@ -1,5 +1,5 @@
-"""``foxhunt-jax bench``: a tiny CPU run of its device, forward, collect and replay sections, and
-the statistics, tables and roofline of the others checked on recorded phase times."""
+"""``foxhunt-jax bench``: ``--quick`` runs every section on a CPU; the forward section's kernel
+checks, and the statistics, tables, roofline and merge checked on recorded phase times."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from foxhunt_jax import bench
+from foxhunt_jax.bench import cmdbuf, common, compilation, forward, options, report, runner, seed
+from foxhunt_jax.bench import train as train_section
 from foxhunt_jax.cli import build_parser, cmd_bench
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import FoxhuntError
@@ -22,37 +23,6 @@ def rng():
     seed = secrets.randbits(32)
     print(f"numpy seed {seed}")
     return np.random.default_rng(seed)
-
-
-def test_quick_run_writes_json_and_tables(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    # the Trainer sections compile three phase programs per variant (a minute on a busy CPU):
-    # test_seed_section_statistics_and_tables covers their arithmetic on recorded times
-    res = bench.main(["--quick", "--json", str(out), "--sections", "device,forward,collect",
-                      "--variants", "xla:float32", "--forward-n", "64", "--collect-n", "16",
-                      "--experience-n", "1", "--no-breakdown", "--forward-f32-kernel"])
-    saved = json.loads(out.read_text())
-    assert saved["meta"]["sections"] == ["device", "forward", "collect"]
-    assert saved["meta"]["quick"] is True
-    assert saved["meta"]["xla_options"] == {}  # the library sets none off a GPU
-    dev = saved["device"]
-    assert dev["gemm"]["bf16"]["tflops"] > 0 and dev["copy"]["gb_per_s"] > 0
-    assert dev["scan"]["plain"]["us_per_iteration"] > 0
-    fwd = saved["forward"]
-    assert {(r["n"], r["backend"]) for r in fwd["rows"]} == {(64, "xla"), (64, "pallas")}
-    assert all(r["ms"] > 0 and r["rows_per_s"] > 0 for r in fwd["rows"])
-    [chk] = fwd["equality"]  # the f32 kernel (interpreted here) against the Flax forward
-    assert chk["q_rel_err"] < 1e-5 and chk["action_mismatch"] == 0 and chk["checked_rows"] == 64
-    col = saved["collect"]
-    [row] = col["rows"]
-    assert (row["n"], row["kind"], row["backend"]) == (16, "rollout", "xla")
-    # env-steps/s is N * L over the measured time
-    assert row["env_steps_per_s"] == pytest.approx(16 * col["episode_length"] / (row["ms"] / 1e3))
-    assert col["breakdown"] == []
-    assert saved["roofline"]["q_forward_flops"] == fwd["flops_per_row"]
-    printed = capsys.readouterr().out
-    assert "Q-forward alone" in printed and "Collection, env-steps/s" in printed
-    assert res["meta"]["command"].startswith("foxhunt-jax bench --quick")
 
 
 def test_forward_section_checks_and_times_the_taken_logits_and_act_forwards():
@@ -67,8 +37,8 @@ def test_forward_section_checks_and_times_the_taken_logits_and_act_forwards():
     params = net.init(jax.random.key(0), jnp.zeros((1, 8), jnp.float32))
     obs = jax.random.normal(jax.random.key(1), (32, 8), jnp.float32)
     out = {"rows": []}
-    bench._logits_rows(out, net, params, obs, {32: obs}, 1, 1000)
-    bench._act_rows(out, net, params, support(-1.0, 1.0, 5), obs, {32: obs}, 1, 1000)
+    forward.logits_rows(out, net, params, obs, {32: obs}, 1, 1000)
+    forward.act_rows(out, net, params, support(-1.0, 1.0, 5), obs, {32: obs}, 1, 1000)
     checks = {r["kind"]: r for r in out["equality"]}
     assert "error" not in checks["act"] and "error" not in checks["taken_logits"]
     assert checks["taken_logits"]["logits_rel_err"] < 1e-2  # bf16 products, f32 sums
@@ -91,8 +61,8 @@ def test_forward_section_checks_and_times_the_curiosity_kernel():
     n = F32_PRECISION_MIN_ROWS  # the kernel runs from here
     obs = jax.random.normal(jax.random.key(1), (n, 10))
     out = {"rows": []}
-    extra = bench.parse_kernel_configs("grouped:64:4,grouped:128:8")  # the second is the default
-    bench._curiosity_rows(out, cfg, obs, {n: obs}, 1, 0, extra)
+    extra = common.parse_kernel_configs("grouped:64:4,grouped:128:8")  # the second is the default
+    forward.curiosity_rows(out, cfg, obs, {n: obs}, 1, 0, extra)
     checks = {c["kind"]: c for c in out["equality"]}
     assert sorted(checks) == ["curiosity", "rnd:64:4:16"]
     assert all(c["novelty_rel_err"] < 1e-4 for c in checks.values())
@@ -137,9 +107,9 @@ def test_seed_section_statistics_and_tables(monkeypatch, rng):
         made.append((cfg.network.backend, cfg.network.dtype, tr))
         return tr
 
-    monkeypatch.setattr(bench, "_build_trainer", build)
+    monkeypatch.setattr(seed, "build_trainer", build)
     out = {}
-    bench.section_seed(_args(), out, bench.Deadline(60), market=None)
+    seed.section_seed(_args(), out, common.Deadline(60), market=None)
     assert [(b, d) for b, d, _ in made] == [("xla", "float32"), ("pallas", "bfloat16")]
     for row in out["rows"]:
         t = recorded[row["backend"]][warmup:]
@@ -155,25 +125,25 @@ def test_seed_section_statistics_and_tables(monkeypatch, rng):
         assert (row["num_episodes"], row["episode_length"], row["batch_size"]) == (1024, 100, 64)
 
     train = {}
-    bench.section_train(_args(variants=()), train, bench.Deadline(60), None, out["rows"])
+    train_section.section_train(_args(variants=()), train, common.Deadline(60), None, out["rows"])
     [t] = train["rows"]  # only the xla row: training does not depend on the forward backend
     assert t["steps_per_s"] == pytest.approx(1e3 / out["rows"][0]["train_step_ms"])
     assert t["samples_per_s"] == pytest.approx(64 * t["steps_per_s"])
 
     res = {"meta": {"variants": [["xla", "float32"], ["pallas", "bfloat16"]]},
            "seed": {**out, "config": "seed", "epochs": epochs, "warmup": warmup}, "train": train}
-    text = bench.tables(res)
+    text = report.tables(res)
     med = out["rows"][0]["phases"]["total"]["median"]
     assert "| xla/f32 | " in text and f"{med:.2f}" in text and "| pallas/bf16 |" in text
 
 
 def test_spread_matches_numpy_percentiles(rng):
     x = rng.standard_normal(int(rng.integers(2, 50)))
-    s = bench.spread(list(x))
+    s = common.spread(list(x))
     np.testing.assert_allclose([s["median"], s["p25"], s["p75"], s["min"], s["max"]],
                                [np.median(x), *np.percentile(x, [25, 75]), x.min(), x.max()])
     assert s["n"] == len(x)
-    assert bench.spread([]) == {}
+    assert common.spread([]) == {}
 
 
 def test_roofline_from_measured_rates():
@@ -183,7 +153,7 @@ def test_roofline_from_measured_rates():
     res = {"forward": {"obs_dim": d, "flops_per_row": q_flops},
            "device": {"gemm": {"bf16": {"tflops": 500.0}, "f32_bf16x6": {"tflops": 40.0}},
                       "copy": {"gb_per_s": 3000.0}}}
-    roof = bench.roofline(res, args)
+    roof = report.roofline(res, args)
     h, e = cfg.curiosity.hidden, cfg.curiosity.embed
     rnd = 4 * (d * h + h * h + h * e)
     assert roof["rnd_flops"] == rnd
@@ -220,7 +190,7 @@ def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
         files.append(tmp_path / f"part{i}.json")
         files[-1].write_text(json.dumps(r))
     out = tmp_path / "merged.json"
-    bench.main(["--merge", *map(str, files), "--json", str(out)])
+    runner.main(["--merge", *map(str, files), "--json", str(out)])
     res = json.loads(out.read_text())
     assert res["meta"]["commit"] == "abc1234"
     assert res["meta"]["command"] == ["bench A", "bench B"]
@@ -228,133 +198,37 @@ def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
     train = res["train"]["rows"]
     assert [(r["batch"], r.get("source")) for r in train] == [(64, "seed section"), (4096, None)]
     assert train[0]["steps_per_s"] == pytest.approx(12_500.0)
-    assert res["roofline"] == bench.roofline({"forward": second["forward"],
+    assert res["roofline"] == report.roofline({"forward": second["forward"],
                                               "device": first["device"]}, _args(config="seed"))
     assert "Seed epoch" in capsys.readouterr().out
     second["meta"]["commit"] = "def5678"
-    assert bench.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
+    assert report.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
     with pytest.raises(FoxhuntError, match="cannot read"):
-        bench.main(["--merge", str(tmp_path / "missing.json")])
+        runner.main(["--merge", str(tmp_path / "missing.json")])
 
 
 def test_argument_parsing_and_cli_entry():
-    assert bench.parse_variants("xla:f32,pallas:bf16") == (("xla", "float32"),
+    assert options.parse_variants("xla:f32,pallas:bf16") == (("xla", "float32"),
                                                            ("pallas", "bfloat16"))
     for bad in ("cuda:float32", "xla:float16", "pallas:float32", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench.parse_variants(bad)
-    [kc] = bench.parse_kernel_configs("per_action:64:4:32")
+            options.parse_variants(bad)
+    [kc] = common.parse_kernel_configs("per_action:64:4:32")
     assert (kc.layout, kc.block_rows, kc.num_warps, kc.min_rows) == ("per_action", 64, 4, 32)
     assert (kc.max_chunk, kc.lookahead) == (None, 0)
     for text in ("grouped:128:8:16:128:2", "per_action:64:4:32:0:0"):
-        [kc] = bench.parse_kernel_configs(text)
-        assert bench.kernel_config_name(kc) == text
+        [kc] = common.parse_kernel_configs(text)
+        assert common.kernel_config_name(kc) == text
     for bad in ("grouped:100:4", "rows:64:4", "grouped:64", "grouped:64:4:16:x",
                 "grouped:64:4:16:64:-1", "grouped:64:4:16:64:1:9"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench.parse_kernel_configs(bad)
-    assert bench.parse_ints("1024,1_048_576") == (1024, 1048576)
+            common.parse_kernel_configs(bad)
+    assert options.parse_ints("1024,1_048_576") == (1024, 1048576)
     args = build_parser().parse_args(["bench", "--quick", "--sections", "device"])
-    assert args._run is cmd_bench and args.quick and args.sections == "device"
-    with pytest.raises(SystemExit, match="unknown section"):
-        bench.main(["--quick", "--sections", "gpu"])
-
-
-def _explore_module():
-    """scripts/explore_gpu.py as a module (scripts/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "explore_gpu", Path(__file__).resolve().parent.parent / "scripts" / "explore_gpu.py")
-    explore = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(explore)
-    return explore
-
-
-_LOOP_HLO = """HloModule m
-
-%body (arg: f32[4]) -> f32[4] {
-  %arg = f32[4]{0} parameter(0)
-  %a = f32[4]{0} fusion(%arg), kind=kLoop, calls=%fa
-  %b = f32[4]{0} fusion(%a), kind=kLoop, calls=%fb
-  %c = f32[4]{0} fusion(%b), kind=kLoop, calls=%fc, metadata={deduplicated_name="b"}
-  %d = f32[4]{0} fusion(%a), kind=kLoop, calls=%fd
-  ROOT %e.1 = f32[4]{0} fusion(%c, %d), kind=kLoop, calls=%fe
-}
-
-ENTRY %main (p: f32[4]) -> f32[4] {
-  %p = f32[4]{0} parameter(0)
-  ROOT %w = f32[4]{0} while(%p), condition=%cond, body=%body
-}
-"""
-
-
-def test_critical_path_by_count_and_by_kernel_time():
-    """The loop body's longest chain of dependent kernels, counted and weighed by traced kernel
-    times; a kernel XLA launches for several identical instructions (one deduplicated_name,
-    traced under any member's name) shares its time among them."""
-    explore = _explore_module()
-    counted = explore.critical_path(_LOOP_HLO)
-    assert counted["loop_body"] == "body" and counted["loop_body_kernels"] == 5
-    assert counted["loop_body_chain"] == 4
-    assert counted["loop_body_chain_kernels"] == ["a", "b", "c", "e.1"]
-    us = {"a": 1.0, "c": 4.0, "d": 5.0, "e_1": 0.5}  # b and c are one kernel, traced as "c"
-    assert explore._instruction_us(_LOOP_HLO, us) == {"a": 1.0, "b": 2.0, "c": 2.0, "d": 5.0,
-                                                      "e.1": 0.5}
-    timed = explore.critical_path(_LOOP_HLO, us)
-    assert timed["loop_body_chain"] == 4  # still the count's
-    assert timed["loop_body_timed_chain_us"] == pytest.approx(6.5)  # a, d, e.1: 1 + 5 + 0.5
-    assert timed["loop_body_timed_chain"] == [["a", 1.0], ["d", 5.0], ["e.1", 0.5]]
-
-
-def test_explore_compile_diagnostics_quick(tmp_path):
-    """explore_gpu's compile diagnostics on tiny sizes, each in fresh processes: the profile of
-    a cold compile names XLA's passes and times all three programs, and the curiosity pass's
-    compile per precision reports times and an error against float64."""
-    explore = _explore_module()
-    res = explore.main(["--quick", "--sections", "compileprofile,rndcompile", "--rnd-variants",
-                        "f32_highest", "--json", str(tmp_path / "explore.json")])
-    prof = res["compileprofile"]
-    assert "error" not in prof, prof.get("error")
-    assert set(prof["programs"]) == {"experience", "training", "validation"}
-    assert all(v["compile_s"] > 0 and v["lower_s"] > 0 for v in prof["programs"].values())
-    assert prof["events"] and all(e["total_s"] >= e["max_s"] > 0 for e in prof["events"])
-    [row] = res["rndcompile"]["rows"]
-    assert "error" not in row, row.get("error")
-    assert row["pass_compile_s"] > 0 and row["update_compile_s"] > 0 and row["pass_ms"] > 0
-    assert row["max_rel_err_fresh"] < 1e-5
-
-
-def test_explore_script_quick_run_writes_every_section(tmp_path):
-    """scripts/explore_gpu.py (the side-by-side GPU variants) on tiny sizes: every row it
-    produces is a finite time, none failed."""
-    explore = _explore_module()
-    out = tmp_path / "explore.json"
-    res = explore.main(["--quick", "--sections", "rollout,forward,fwdloop,rnd,learner,launch",
-                        "--json", str(out), "--unrolls", "1", "--learner-dtypes", "float32",
-                        "--learner-variants", "base,concat_online", "--learner-in-trainer", "2",
-                        # an option the CPU's XLA takes: its row compiles the trainer's program
-                        # with it too
-                        "--learner-options", "xla_gpu_enable_pdl=true"])
-    saved = json.loads(out.read_text())
-    assert set(saved) == {"meta", "rollout", "forward", "fwdloop", "rnd", "learner", "launch"}
-    rows = [r for name in ("rollout", "forward", "fwdloop", "rnd", "learner")
-            for r in res[name]["rows"]]
-    assert rows and not [r for r in rows if "error" in r]
-    assert all(r["ms"] > 0 for r in rows)
-    assert {r["variant"] for r in res["learner"]["rows"]} == {
-        "base", "concat_online", "xla:xla_gpu_enable_pdl=true"}
-    assert all(r["kernels_in_program"] > 0 and r["trainer_us_per_step"] > 0
-               for r in res["learner"]["rows"])
-    assert {"xla_three", "pallas_three", "pallas_taken_default"} <= {
-        r["form"] for r in res["fwdloop"]["rows"]}
-    assert res["rnd"]["rows"][0]["max_rel_err_fresh"] < 1e-5  # f32 HIGHEST against float64
-    assert {r["kind"] for r in res["forward"]["rows"]} == {"actions", "logits",
-                                                          "logits_and_actions"}
-    assert {r["lookahead"] for r in res["forward"]["rows"]} == {0, 1}  # the quick shapes
-    launch = res["launch"]["rows"]
-    assert [r["leaves"] for r in launch] == [1, 16]
-    assert all(0 < r["returned_ms"] <= r["ready_ms"] for r in launch)
+    assert args._run is cmd_bench and args.quick and args.sections == ("device",)
+    assert options.parse_sections("seed, forward") == ("seed", "forward")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown section"):
+        options.parse_sections("seed,gpu")
 
 
 def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_time(monkeypatch):
@@ -374,11 +248,11 @@ def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_tim
         b, d = variant.split(":")
         return {"rows": [{"backend": b, "dtype": d, "compile_ms": 1.0, "init_ms": 1.0}]}
 
-    monkeypatch.setattr(bench, "_run_child", child)
+    monkeypatch.setattr(compilation, "run_child", child)
     variants = [("xla", "float32"), ("xla", "bfloat16"), ("pallas", "bfloat16")]
     args = SimpleNamespace(compile_variants=None, variants=variants, config="seed", overrides=[])
     out = {}
-    bench.section_compile(args, out, bench.Deadline(600))
+    compilation.section_compile(args, out, common.Deadline(600))
     assert [v for v, _ in calls] == (["xla:float32"] * 3 + ["xla:bfloat16"]
                                      + ["pallas:bfloat16"] * 3)
     assert out["cold"]["error"] == "xla/bfloat16: exit 1: boom"
@@ -390,7 +264,7 @@ def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_tim
 
     calls.clear()
     out = {}
-    bench.section_compile(args, out, bench.Deadline(10))  # under the 20 s a child needs
+    compilation.section_compile(args, out, common.Deadline(10))  # under the 20 s a child needs
     assert calls == []
     for step in ("cold", "cached_xla_only", "cached"):
         assert out[step]["skipped"] == ["xla/float32", "xla/bfloat16", "pallas/bfloat16"]
@@ -403,6 +277,83 @@ def test_cmdbuf_section_times_xla_s_own_command_buffer_kinds():
     from foxhunt_jax import jitcache
 
     library = set(jitcache.COMMAND_BUFFER_KINDS.split(","))
-    flag, kinds = bench.CMDBUF_FLAGS.split("=", 1)
+    flag, kinds = cmdbuf.CMDBUF_FLAGS.split("=", 1)
     assert flag == f"--{jitcache.COMMAND_BUFFER_OPTION}"
     assert set(kinds.split(",")) == library - {"WHILE", "CONDITIONAL"}
+
+
+def test_rates_of_a_phase_timed_at_zero_are_missing_not_a_division_by_zero():
+    """A tiny workload's phase can measure 0 ms (queued work done before its clock is read):
+    its rates are missing, not infinite, and the tables still have its rows."""
+    phase = {"median": 0.0, "p25": 0.0, "p75": 0.0}
+    row = {"backend": "xla", "dtype": "bfloat16", "batch_size": 16, "train_step_ms": 0.0,
+           "phases": {k: phase for k in ("experience", "training", "validation", "total")}}
+    [t] = train_section.seed_train_rows([row])
+    assert t["steps_per_s"] is None and t["samples_per_s"] is None
+    assert common.per_second(16, 4.0) == pytest.approx(4000.0)
+    col = {"n": 16, "kind": "experience (seed epoch)", "backend": "xla", "dtype": "bfloat16",
+           "ms": 0.0, "env_steps_per_s": None}
+    text = report.tables({"meta": {"variants": [["xla", "bfloat16"]]}, "train": {"rows": [t]},
+                          "collect": {"episode_length": 8, "rows": [col]}})
+    assert "| bfloat16 | 16 | 0.000 | n/a | n/a" in text
+    assert "| 16 | experience (seed epoch) | n/a |" in text
+
+
+def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
+    """``bench --quick``: every section, no error, every row it measures in the JSON and in the
+    printed tables; the GPU-only section says so in one line."""
+    out = tmp_path / "quick.json"
+    res = runner.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["sections"] == list(options.SECTIONS) and saved["meta"]["quick"]
+    assert res["meta"]["command"] == f"foxhunt-jax bench --quick --json {out}"
+    for name in options.SECTIONS:
+        section = saved[name]
+        assert "error" not in section, (name, section["error"])
+        rows = section.get("rows", []) + section.get("breakdown", [])
+        assert not [r for r in rows if "error" in r], name
+    printed = capsys.readouterr().out
+    variants = [tuple(v) for v in saved["meta"]["variants"]]
+    assert {b for b, _ in variants} == {"xla", "pallas"}
+    assert {d for _, d in variants} == {"float32", "bfloat16"}
+    # seed: one row per variant, each timed and in the table
+    assert [(r["backend"], r["dtype"]) for r in saved["seed"]["rows"]] == variants
+    for r in saved["seed"]["rows"]:
+        assert r["phases"]["total"]["n"] == 2 and r["compile_ms"] > 0
+        assert f"| {common.vname(r['backend'], r['dtype'])} | " in printed
+    # compile: the first variant cold, then from each cache
+    for step in ("cold", "cached_xla_only", "cached"):
+        [r] = saved["compile"][step]["rows"]
+        assert (r["backend"], r["dtype"]) == variants[0] and r["compile_ms"] > 0
+    assert saved["compile"]["cached"]["rows"][0]["executables_loaded"] > 0
+    assert saved["device"]["gemm"]["bf16"]["tflops"] > 0 and "GEMM TFLOP/s" in printed
+    fwd = saved["forward"]
+    assert fwd["rows"] and all(r["ms"] > 0 for r in fwd["rows"])
+    assert {c["kind"] for c in fwd["equality"]} >= {"equality", "curiosity", "taken_logits",
+                                                   "act", "bootstrap_loss"}
+    assert printed.count("| 64 | ") >= len(fwd["rows"])
+    col = saved["collect"]
+    assert sorted((r["kind"], r["backend"]) for r in col["rows"]) == [
+        ("experience (seed epoch)", "pallas"), ("experience (seed epoch)", "xla"),
+        ("rollout", "pallas"), ("rollout", "xla")]
+    for r in col["rows"] + col["breakdown"]:
+        if r["ms"] == 0:  # a queued phase can finish before its clock is read
+            assert r["kind"] == "experience (seed epoch)" and r["env_steps_per_s"] is None
+        else:
+            assert r["env_steps_per_s"] > 0
+    assert {r["kind"] for r in col["breakdown"]} == {"rollout_no_curiosity",
+                                                    "env_only_random_actions"}
+    assert "error" not in col["equality"] and col["equality"]["n"] == 16
+    assert printed.count("breakdown N=16") == 2
+    assert "| 16 | rollout | " in printed and "| 16 | experience (seed epoch) | " in printed
+    trn = saved["train"]["rows"]
+    assert [(r["batch"], r["dtype"]) for r in trn] == [(16, "float32"), (128, "bfloat16"),
+                                                       (128, "float32")]
+    assert printed.count("| float32 | ") + printed.count("| bfloat16 | ") >= len(trn)
+    rep = saved["replay"]["rows"]
+    assert {r["op"] for r in rep} == {"add 256", "add 64", "sample 16", "update 16"}
+    assert all(r["ours_ms"] is None or r["ours_ms"] > 0 for r in rep)
+    assert printed.count("| 1,024 | ") == len(rep)
+    assert saved["cmdbuf"]["skipped"] == "command buffers are a GPU feature"
+    assert "skipped: command buffers are a GPU feature" in printed
+    assert saved["roofline"]["q_forward_flops"] == fwd["flops_per_row"]

@@ -368,8 +368,8 @@ def test_bench_merge_missing_or_irregular_file(tmp_path, capsys):
 
 
 def test_bench_merge_error_is_a_foxhunt_error(tmp_path):
-    from foxhunt_jax import bench
+    from foxhunt_jax.bench.report import check_bench_json
 
     with pytest.raises(FoxhuntError, match="not a bench result JSON"):
-        bench.check_bench_json([], "x.json")
-    assert bench.check_bench_json({"meta": GOOD_META, "seed": {}}, "x.json")["seed"] == {}
+        check_bench_json([], "x.json")
+    assert check_bench_json({"meta": GOOD_META, "seed": {}}, "x.json")["seed"] == {}

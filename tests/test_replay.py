@@ -5,11 +5,8 @@ Every check compares with an independent NumPy (float64) model of the same rules
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 import statistics
-from pathlib import Path
 
 import chex
 import jax
@@ -18,6 +15,7 @@ import numpy as np
 import pytest
 
 from foxhunt_jax.agent import replay
+from foxhunt_jax.bench.replay import compare as compare_replay
 from foxhunt_jax.errors import ConfigError
 from pallas_kernels.tuning import ReplaySearch
 
@@ -25,7 +23,6 @@ GPU_COUNT_MAX = 1 << 24  # the tuning table's compare-and-count bound on a GPU
 
 ALPHA, EPS = 0.6, 1e-6
 CAP, FILLED = 64, 50  # sampling tests share one buffer shape, so _many_samples compiles once
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def example_item():
@@ -313,20 +310,14 @@ def test_jit_with_donation():
     np.testing.assert_allclose(np.asarray(state.priorities), ref.q, rtol=2e-6)
 
 
-def test_bench_script_runs(tmp_path):
-    path = ROOT / "scripts" / "bench_replay.py"
-    spec = importlib.util.spec_from_file_location("bench_replay", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "bench.json"
-    result = bench.main(["--capacities", "2^8", "--repeats", "2", "--add-sizes", "64,512",
-                         "--batch-sizes", "64", "--json", str(out)])
+def test_replay_comparison_times_both_buffers():
+    result = compare_replay((2 ** 8,), add_sizes=(64, 512), batch_sizes=(64,), repeats=2,
+                            warmup=1)
     ops = {r["op"]: r for r in result["rows"]}
     assert set(ops) == {"add 64", "add 512", "sample 64", "update 64"}
     assert ops["add 512"]["ours_ms"] is None  # larger than the capacity: skipped
     for op in ("add 64", "sample 64", "update 64"):
         assert ops[op]["ours_ms"] > 0 and ops[op]["flashbax_ms"] > 0
-    assert json.loads(out.read_text())["rows"] == result["rows"]
 
 
 def test_transform_priorities_matches_numpy_and_never_empties_a_slot():

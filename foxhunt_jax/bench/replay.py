@@ -1,49 +1,39 @@
-"""Benchmark of the replay buffer against flashbax's prioritised item buffer.
+"""The ``replay`` section: the replay buffer beside flashbax's prioritised item buffer.
 
-Times, on whatever device JAX picks (CPU or GPU, unchanged code):
+Times, on whatever device JAX picks:
 
 - ``add n``: write ``n`` transitions (102,400 = one epoch of N=1024 x L=100, and 64);
 - ``sample M``: a prioritized batch of ``M`` with importance weights (64 and 4096);
 - ``update M``: set ``M`` priorities (64 and 4096),
 
-at each capacity, for ``foxhunt_jax.agent.replay`` and ``flashbax.make_prioritised_item_buffer``
+at each capacity, for :mod:`foxhunt_jax.agent.replay` and ``flashbax.make_prioritised_item_buffer``
 holding the same item: the compact trading transition (bar + portfolio for s and s', actions,
 n-step return, discount). Every function is jitted; functions that return the buffer donate it
-(both libraries), so both update in place. Each figure is the median of ``--repeats`` timed calls
-after ``--warmup`` untimed ones, each call followed by ``block_until_ready``. Buffers are filled
+(both libraries), so both update in place. Each figure is the median of ``repeats`` timed calls
+after ``warmup`` untimed ones, each call followed by ``block_until_ready``. Buffers are filled
 to capacity first. Both add without explicit priorities (new items get the running maximum, the
 only mode flashbax's add has); flashbax's sample returns probabilities, so the importance weights
-are computed from them inside its timed function, as ours does.
-
-Usage::
-
-    python scripts/bench_replay.py                       # capacities 2^16 2^18 2^20 2^22
-    python scripts/bench_replay.py --quick               # CPU-friendly: 2^16 2^18
-    python scripts/bench_replay.py --capacities 2^20,4194304 --json out.json
+are computed from them inside its timed function, as ours does. Without flashbax installed, this
+buffer alone is timed.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
+import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from foxhunt_jax.agent import replay
+from foxhunt_jax.bench.common import Deadline
 
-from foxhunt_jax.agent import replay  # noqa: E402
 
 ALPHA, BETA = 0.6, 0.4
-DEFAULT_CAPACITIES = (2**16, 2**18, 2**20, 2**22)
-QUICK_CAPACITIES = (2**16, 2**18)
 
 
 def trading_item(portfolio_dim: int = 6, branches: int = 3) -> dict:
@@ -63,36 +53,6 @@ def random_items(example: Any, n: int, rng: np.random.Generator) -> Any:
     return jax.tree.map(leaf, example)
 
 
-def parse_capacities(text: str) -> tuple[int, ...]:
-    """``"2^16,262144,2**20"`` -> ``(65536, 262144, 1048576)``."""
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip().replace("**", "^")
-        if not tok:
-            continue
-        try:
-            value = 2 ** int(tok[2:]) if tok.startswith("2^") else int(tok)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"cannot read '{tok}' (use 65536 or 2^16)") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"capacity must be >= 1, got {value}")
-        out.append(value)
-    if not out:
-        raise argparse.ArgumentTypeError("no capacity given")
-    return tuple(out)
-
-
-def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise SystemExit(f"error: {flag}: expected comma-separated integers, got '{text}'") \
-            from None
-    if not out or min(out) < 1:
-        raise SystemExit(f"error: {flag}: expected positive integers, got '{text}'")
-    return out
-
-
 def median_ms(step: Callable[[Any], Any], carry: Any, repeats: int, warmup: int,
               stateful: bool) -> tuple[float, Any]:
     """Median wall time of ``step`` in ms; a stateful step's output feeds the next call."""
@@ -109,6 +69,8 @@ def median_ms(step: Callable[[Any], Any], carry: Any, repeats: int, warmup: int,
 
 
 class Ours:
+    """:mod:`foxhunt_jax.agent.replay` behind the interface :func:`bench_one` times."""
+
     name = "ours"
 
     def __init__(self, example: Any, capacity: int):
@@ -126,10 +88,12 @@ class Ours:
 
 
 class Flashbax:
+    """flashbax's prioritised item buffer behind the interface :func:`bench_one` times."""
+
     name = "flashbax"
 
     def __init__(self, example: Any, capacity: int, batch_sizes: tuple[int, ...]):
-        import flashbax as fbx
+        import flashbax as fbx  # optional: a test dependency, not the library's
 
         platform = jax.default_backend()
         device = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(platform, "cpu")
@@ -207,84 +171,47 @@ def bench_one(impl, example, add_sizes, batch_sizes, repeats, warmup,
     return out
 
 
-def device_description() -> str:
-    devs = jax.devices()
-    d = devs[0]
-    kind = getattr(d, "device_kind", d.platform)
-    return f"{d.platform} ({kind}) x{len(devs)}, jax {jax.__version__}"
 
-
-def fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| capacity | op | ours ms | flashbax ms | flashbax / ours |",
-             "| ---: | --- | ---: | ---: | ---: |"]
-    for r in rows:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"| {r['capacity']:,} | {r['op']} | {fmt(r['ours_ms'])} | "
-                     f"{fmt(r['flashbax_ms'])} | {ratio} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--capacities", type=parse_capacities, default=None,
-                    help="comma-separated, e.g. 2^16,2^18 or 65536 (default 2^16,2^18,2^20,2^22)")
-    ap.add_argument("--quick", action="store_true", help="capacities 2^16,2^18 only")
-    ap.add_argument("--add-sizes", default="102400,64",
-                    help="transitions per add (default 102400,64)")
-    ap.add_argument("--batch-sizes", default="64,4096",
-                    help="sample/update batches (default 64,4096)")
-    ap.add_argument("--repeats", type=int, default=20,
-                    help="timed calls per op (median; default 20)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed calls first, incl. compile")
-    ap.add_argument("--no-flashbax", action="store_true", help="time this buffer only")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = ap.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1:
-        raise SystemExit("error: --repeats and --warmup must be >= 1 (warm-up includes compiling)")
-    capacities = args.capacities or (QUICK_CAPACITIES if args.quick else DEFAULT_CAPACITIES)
-    add_sizes = parse_sizes(args.add_sizes, "--add-sizes")
-    batch_sizes = parse_sizes(args.batch_sizes, "--batch-sizes")
-    use_fbx = not args.no_flashbax
-    if use_fbx:
-        try:
-            import flashbax  # noqa: F401
-        except ImportError:
-            print("flashbax is not installed: timing this buffer only", file=sys.stderr)
-            use_fbx = False
-
-    device = device_description()
-    print(f"device: {device}", flush=True)
+def compare(capacities: tuple[int, ...], add_sizes: tuple[int, ...] = (102400, 64),
+            batch_sizes: tuple[int, ...] = (64, 4096), repeats: int = 20, warmup: int = 2,
+            seed: int = 0, use_flashbax: bool = True) -> dict:
+    """Both buffers at each capacity (:func:`bench_one`): ``rows`` of ``{capacity, op, ours_ms,
+    flashbax_ms, ratio}`` (``ratio`` above 1: this buffer is faster; ``None`` where an op was
+    not timed) with the device and settings."""
+    if repeats < 1 or warmup < 1:
+        raise ValueError("repeats and warmup must be >= 1 (the warm-up includes compiling)")
+    if use_flashbax and importlib.util.find_spec("flashbax") is None:
+        print("  flashbax is not installed: timing this buffer only", flush=True)
+        use_flashbax = False
     example = trading_item()
-    print(f"item: {replay.bytes_per_item(example)} bytes per slot incl. priority", flush=True)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     rows = []
     for cap in capacities:
         t0 = time.perf_counter()
-        ours = bench_one(Ours(example, cap), example, add_sizes, batch_sizes, args.repeats,
-                         args.warmup, rng)
+        ours = bench_one(Ours(example, cap), example, add_sizes, batch_sizes, repeats, warmup,
+                         rng)
         theirs = (bench_one(Flashbax(example, cap, batch_sizes), example, add_sizes, batch_sizes,
-                            args.repeats, args.warmup, rng) if use_fbx else {})
+                            repeats, warmup, rng) if use_flashbax else {})
         for op, ms in ours.items():
             other = theirs.get(op)
             ratio = other / ms if (ms and other is not None) else None
             rows.append({"capacity": cap, "op": op, "ours_ms": ms, "flashbax_ms": other,
                          "ratio": ratio})
-        print(f"capacity {cap:,}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    print(table(rows))
-    result = {"device": device, "backend": jax.default_backend(), "jax": jax.__version__,
-              "date": datetime.date.today().isoformat(), "argv": list(argv or sys.argv[1:]),
-              "repeats": args.repeats, "warmup": args.warmup, "alpha": ALPHA, "beta": BETA,
-              "bytes_per_item": replay.bytes_per_item(example), "rows": rows}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+        print(f"  replay capacity {cap:,}: {time.perf_counter() - t0:.1f} s", flush=True)
+    devs = jax.devices()
+    return {"device": f"{devs[0].platform} ({getattr(devs[0], 'device_kind', devs[0].platform)})"
+                      f" x{len(devs)}, jax {jax.__version__}",
+            "backend": jax.default_backend(), "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(), "repeats": repeats, "warmup": warmup,
+            "alpha": ALPHA, "beta": BETA, "flashbax": use_flashbax,
+            "bytes_per_item": replay.bytes_per_item(example), "rows": rows}
 
 
-if __name__ == "__main__":
-    main()
+def section_replay(args, out: dict, deadline: Deadline) -> None:
+    """:func:`compare` at ``--replay-capacities`` (``--quick``: one tiny capacity)."""
+    if args.quick:
+        out.update(compare((2 ** 10,), add_sizes=(256, 64), batch_sizes=(16,), repeats=2,
+                           warmup=1, seed=args.seed))
+    else:
+        out.update(compare(args.replay_capacities, repeats=args.replay_repeats,
+                           seed=args.seed))
