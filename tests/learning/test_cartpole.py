@@ -20,7 +20,7 @@ from foxhunt_jax.agent.learner import init_agent, make_learner
 from foxhunt_jax.agent.network import greedy_actions
 from foxhunt_jax.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHORT_ITERATIONS = 400
 # A random policy scores ~22. 400 iterations scored 458 and 454 on seeds 0 and 1 (318-374 on
 # seeds 2 and 3), so 200 leaves a wide margin while still demanding a balancing policy.

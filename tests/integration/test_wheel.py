@@ -14,7 +14,7 @@ import pytest
 
 from foxhunt_jax.config import CONFIG_DIR, load_config, resolve_config_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # what a build reads: everything at the top level but history, environments and outputs
 _NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "runs", "build", "dist", "*.egg-info",
                                     "__pycache__", ".pytest_cache", ".hypothesis", "benchmarks")

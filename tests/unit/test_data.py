@@ -29,34 +29,10 @@ from foxhunt_jax.data.synthetic import (
     synthetic_timestamps,
 )
 from foxhunt_jax.errors import ConfigError, DataError
-
-N_GOOD = MIN_BARS + 25
-
-
-def bars_frame(n: int = N_GOOD, seed: int = 0, start: str = "2001-01-01", freq: str = "D",
-               adj: bool = False) -> pd.DataFrame:
-    """A valid random table of n bars (Date as datetime64)."""
-    rng = np.random.default_rng(seed)
-    close = 50.0 * np.exp(np.cumsum(0.01 * rng.standard_normal(n)))
-    open_ = close * np.exp(0.005 * rng.standard_normal(n))
-    high = np.maximum(open_, close) * (1 + 0.01 * rng.random(n))
-    low = np.minimum(open_, close) * (1 - 0.01 * rng.random(n))
-    frame = pd.DataFrame({
-        "Date": pd.date_range(start, periods=n, freq=freq),
-        "Open": open_, "High": high, "Low": low, "Close": close,
-        "Volume": rng.integers(1, 10_000, n).astype(float),
-    })
-    if adj:
-        frame["Adj Close"] = close * rng.uniform(0.2, 1.0)
-    return frame
+from market_files import N_GOOD, bad_file, bars_frame, set_cell, write_csv
 
 
-def write_csv(frame: pd.DataFrame, path: Path, date_format: str | None = "%Y-%m-%d") -> Path:
-    out = frame.copy()
-    if date_format is not None and pd.api.types.is_datetime64_any_dtype(out["Date"]):
-        out["Date"] = out["Date"].dt.strftime(date_format)
-    out.to_csv(path, index=False)
-    return path
+
 
 
 def load_error(paths, **kw) -> DataError:
@@ -259,20 +235,6 @@ def test_sort_option_sorts(tmp_path):
 # Bad files: each kind names file, column and row
 
 
-def bad_file(tmp_path, edit) -> Path:
-    frame = bars_frame()
-    text = frame.assign(Date=frame["Date"].dt.strftime("%Y-%m-%d")).astype(object)
-    edit(text)
-    path = tmp_path / "bad.csv"
-    text.to_csv(path, index=False)
-    return path
-
-
-def _set(row: int, col: str, value):
-    """Edits 1-based data row ``row``."""
-    def edit(frame):
-        frame.loc[row - 1, col] = value
-    return edit
 
 
 def test_missing_column(tmp_path):
@@ -290,7 +252,7 @@ def test_missing_time_column(tmp_path):
 
 @pytest.mark.parametrize("value", ["2001-13-45", "yesterday", ""])
 def test_unparseable_date(tmp_path, value):
-    err = load_error([bad_file(tmp_path, _set(7, "Date", value))])
+    err = load_error([bad_file(tmp_path, set_cell(7, "Date", value))])
     assert (err.column, err.row) == ("Date", 7)
     assert str(tmp_path / "bad.csv") in str(err) and "row 7" in str(err)
 
@@ -300,21 +262,21 @@ def test_unparseable_date(tmp_path, value):
     ("Close", "-1.5", 12), ("Open", "0", 99),
 ])
 def test_bad_price(tmp_path, col, value, row):
-    err = load_error([bad_file(tmp_path, _set(row, col, value))])
+    err = load_error([bad_file(tmp_path, set_cell(row, col, value))])
     assert (err.column, err.row) == (col, row)
     assert f"column '{col}'" in str(err) and f"row {row}" in str(err)
     assert "finite positive" in str(err)
 
 
 def test_bad_volume(tmp_path):
-    err = load_error([bad_file(tmp_path, _set(8, "Volume", "-5"))])
+    err = load_error([bad_file(tmp_path, set_cell(8, "Volume", "-5"))])
     assert (err.column, err.row) == ("Volume", 8)
 
 
 def test_earliest_bad_row_over_columns(tmp_path):
     def edit(f):
-        _set(30, "Open", "-1")(f)
-        _set(20, "Close", "nan")(f)
+        set_cell(30, "Open", "-1")(f)
+        set_cell(20, "Close", "nan")(f)
     err = load_error([bad_file(tmp_path, edit)])
     assert (err.column, err.row) == ("Close", 20)
 
@@ -492,7 +454,7 @@ def test_builtin_us_stocks():
     assert market.bar_seconds == 86400.0
     assert 240 < market.bars_per_year < 260
     aapl = next(i for i in market.instruments if i.name == "AAPL")
-    raw = pd.read_csv(Path(__file__).resolve().parent.parent / "foxhunt_jax" / "data" / "builtin"
+    raw = pd.read_csv(Path(__file__).resolve().parents[2] / "foxhunt_jax" / "data" / "builtin"
                       / "us_stocks_daily.csv.gz")
     raw = raw[raw["Ticker"] == "AAPL"].reset_index(drop=True)
     np.testing.assert_allclose(aapl.close, raw["Adj Close"].to_numpy(), rtol=1e-15)

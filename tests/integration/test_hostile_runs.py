@@ -29,7 +29,7 @@ from foxhunt_jax.training.rundir import (LOCK_FILE, RUN_FILE, RunWriter, check_r
                                          open_run, read_metrics)
 from foxhunt_jax.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
         "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
         "train.train_steps=2", "replay.capacity=512", "train.batch_size=16",

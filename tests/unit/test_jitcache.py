@@ -17,7 +17,7 @@ from foxhunt_jax import jitcache
 from foxhunt_jax.config import load_config
 from foxhunt_jax.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

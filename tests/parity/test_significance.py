@@ -271,7 +271,7 @@ def test_bad_input_raises_a_clear_value_error(call, message):
 
 
 def test_the_example_of_docs_research_runs():
-    text = (Path(__file__).resolve().parent.parent / "docs" / "research.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "research.md").read_text()
     block = text.split("```python\n", 1)[1].split("```", 1)[0]
     scope = {}
     exec(compile(block, "docs/research.md", "exec"), scope)

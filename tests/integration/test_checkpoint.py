@@ -297,7 +297,7 @@ def test_sharded_state_round_trip_on_two_devices(tmp_path):
 
 def test_bench_checkpoint_script_times_both_formats(tmp_path):
     out = tmp_path / "ckpt.json"
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, str(root / "scripts" / "bench_checkpoint.py"),
                           "--config", "smoke", "--saves", "2", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)

@@ -307,7 +307,7 @@ def test_from_market_checks_the_episode_length(tables):
 
 def test_docs_example_runs():
     """The python block of docs/environment.md's gymnax section runs as written."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "environment.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
     section = text.split("## As a gymnax environment", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 1

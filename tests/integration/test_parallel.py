@@ -24,7 +24,7 @@ from foxhunt_jax.training.collect import chunked, collect, collect_shards, start
 from foxhunt_jax.training.trainer import TRADING_ADAPTER, Trainer
 from transitions import random_transitions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Few and small programs: on a CPU the XLA compile, not the run, is what takes time.
 TINY = ["env.episode_length=8", "network.trunk=[16]", "network.head=8", "network.atoms=5",
         "train.num_episodes=16", "train.batch_size=16", "replay.capacity=1024",

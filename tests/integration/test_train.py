@@ -26,7 +26,7 @@ from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
 from foxhunt_jax.training.rundir import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ["--config", "smoke", "--no-progress"]
 PHASES = {"init", "compile", "experience", "training", "validation", "total"}
 TRADING = {"total_return", "sharpe", "sortino", "max_drawdown", "turnover", "trades"}

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_data import _set, bad_file, bars_frame, write_csv
+from market_files import bad_file, bars_frame, set_cell, write_csv
 
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import Config, SyntheticConfig, load_config
@@ -82,14 +82,14 @@ def test_classic_bad_files_whole_file(tmp_path, capsys, kind, make, needles):
 
 
 @pytest.mark.parametrize("kind, edit, needles", [
-    ("unparsable date", _set(7, "Date", "2001-13-45"),
+    ("unparsable date", set_cell(7, "Date", "2001-13-45"),
      ["column 'Date', row 7", "unparseable date '2001-13-45'"]),
-    ("non-numeric price", _set(12, "Close", "12,5 EUR"),
+    ("non-numeric price", set_cell(12, "Close", "12,5 EUR"),
      ["column 'Close', row 12", "finite positive number", "'12,5 EUR'"]),
     ("duplicated timestamp", _duplicate_date, ["column 'Date', row 40", "duplicate timestamp"]),
     ("unsorted timestamps", _swap_dates, ["column 'Date', row 31", "not sorted"]),
-    ("negative price", _set(20, "Open", "-3.5"), ["column 'Open', row 20", "-3.5"]),
-    ("zero price", _set(21, "Low", "0"), ["column 'Low', row 21", "finite positive number"]),
+    ("negative price", set_cell(20, "Open", "-3.5"), ["column 'Open', row 20", "-3.5"]),
+    ("zero price", set_cell(21, "Low", "0"), ["column 'Low', row 21", "finite positive number"]),
 ])
 def test_classic_bad_files_at_a_row(tmp_path, capsys, kind, edit, needles):
     path = bad_file(tmp_path, edit)

@@ -1,7 +1,7 @@
 """Two real processes on localhost (jax.distributed, CPU collectives over gloo) train one model in
 lockstep: the same numbers on both every epoch, and only process 0 writes the run directory's
 files. (That the result depends on the shards, not on the devices, is tested in
-tests/test_parallel.py.)"""
+tests/integration/test_parallel.py.)"""
 
 import json
 import os
@@ -16,7 +16,7 @@ import numpy as np
 from foxhunt_jax.training import checkpoint
 from foxhunt_jax.training.rundir import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Small programs; XLA's slow CPU optimizations off (compiling is what takes time here).
 OVERRIDES = ["env.episode_length=8", "network.trunk=[16]", "network.head=8", "network.atoms=5",
              "train.num_episodes=16", "train.batch_size=16", "replay.capacity=1024",

@@ -28,7 +28,7 @@ from foxhunt_jax.policy.latency import measure
 from foxhunt_jax.policy.policy import BarInputs
 from foxhunt_jax.training import validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from foxhunt_jax.cli import COMMANDS, human_duration, main
 from foxhunt_jax.data.loader import MIN_BARS, split_counts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def table_rows(out: str) -> dict[str, list[str]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("foxhunt_jax", "pallas_kernels")
 FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.parallel", "foxhunt_jax.jitcache",
               "foxhunt_jax.executable_codec", "foxhunt_jax.version")

@@ -324,7 +324,7 @@ def test_default_is_every_builtin_in_the_historical_order():
 
 
 def test_docs_list_every_builtin_with_its_window_and_meaning():
-    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "features.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (.+) \|$", text, flags=re.M)
     assert rows == [(f.name, str(f.window), f.meaning) for f in registered() if f.builtin]
 
@@ -473,7 +473,7 @@ def test_a_tiny_run_on_a_chosen_list_with_a_user_feature(tmp_path, registering):
 def test_docs_example_of_a_user_feature_runs(monkeypatch):
     """The python block of docs/features.md, with ``train`` recording its config (the tiny run
     above trains on such a list)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "features.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     seen = []
     monkeypatch.setattr(foxhunt_jax, "train", lambda cfg, out_dir: seen.append(cfg))
