@@ -9,8 +9,7 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   the same way: dicts, optax states (NamedTuples), ``flax.struct`` dataclasses.
   Replicated jax arrays of one dtype and placement are packed into one vector,
   ``"pack_000"``, ...: orbax's time grows with the number of arrays more than with their bytes,
-  and the agent alone is 62 replicated arrays (the measurements are in docs/training.md,
-  ``scripts/bench_checkpoint.py`` repeats them).
+  and the agent alone is 62 replicated arrays (docs/training.md gives the measurements).
 * ``layout`` (JSON): path, shape, dtype and kind of every leaf (and, for a packed leaf, its pack
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing

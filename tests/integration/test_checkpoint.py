@@ -295,23 +295,6 @@ def test_sharded_state_round_trip_on_two_devices(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_bench_checkpoint_script_times_both_formats(tmp_path):
-    out = tmp_path / "ckpt.json"
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_checkpoint.py"),
-                          "--config", "smoke", "--saves", "2", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["config"] == "smoke" and res["arrays"] > 20 and res["mb"] > 0
-    n = res["arrays"]
-    assert set(res["ms"]) == {"packed", "array_by_array", f"orbax_{n}_arrays_15mb",
-                              f"orbax_{n}_arrays_16b", "orbax_1_array_15mb"}
-    assert len(res["ms"]["packed"]) == len(res["ms"]["array_by_array"]) == 2
-    assert all(t > 0 for ts in res["ms"].values() for t in ts)
-    assert "packed: first" in run.stdout
-
-
 def _damage(step_dir: Path, how: str) -> str:
     """Damages one file of a saved step; returns its path relative to the step."""
     if how == "layout":
