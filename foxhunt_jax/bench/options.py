@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 
 # in this order: the seed section compiles first, in this process
-SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "cmdbuf")
+SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "policy",
+            "cmdbuf")
 DEFAULT_VARIANTS = "xla:float32,xla:bfloat16,pallas:bfloat16"
 
 

@@ -186,6 +186,13 @@ def tables(res: dict) -> str:
         for r in rep["rows"]:
             lines.append(f"| {r['capacity']:,} | {r['op']} | {_f(r['ours_ms'], '{:.3f}')} | "
                          f"{_f(r['flashbax_ms'], '{:.3f}')} | {_f(r['ratio'])} |")
+    pol = res.get("policy", {})
+    if pol.get("rows"):
+        lines += ["", "A live decision (Policy.step), microseconds a call",
+                  "| variant | path | instruments | median | p99 |", "| --- | --- | ---: | ---: | ---: |"]
+        for r in pol["rows"]:
+            lines.append(f"| {vname(r['backend'], r['dtype'])} | {r['path']} | "
+                         f"{r['instruments']:,} | {r['median_us']:.0f} | {r['p99_us']:.0f} |")
     roof = res.get("roofline", {})
     if roof:
         lines += ["", f"Roofline per env step: Q-forward {roof['q_forward_flops']:,} FLOP, "

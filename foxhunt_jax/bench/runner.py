@@ -16,8 +16,8 @@ from pathlib import Path
 
 import jax
 
-from foxhunt_jax.bench import (child, cmdbuf, collect, compilation, device, forward, replay,
-                               seed, train)
+from foxhunt_jax.bench import (child, cmdbuf, collect, compilation, device, forward, policy,
+                               replay, seed, train)
 from foxhunt_jax.bench.common import Deadline, git_commit, parse_kernel_configs, variant_cfg
 from foxhunt_jax.bench.options import DEFAULT_VARIANTS, SECTIONS, add_arguments, parse_variants
 from foxhunt_jax.bench.report import roofline, run_merge, tables
@@ -32,7 +32,7 @@ QUICK_OVERRIDES = ("network.trunk=[32]", "network.head=16", "env.episode_length=
                    "curiosity.embed=8")
 QUICK_VARIANTS = "xla:float32,pallas:bfloat16"
 # seconds a section needs to be worth starting (the replay comparison has no budget of its own)
-SECTION_MIN_S = {"replay": 40, "train": 25, "cmdbuf": 40, "compile": 15}
+SECTION_MIN_S = {"replay": 40, "train": 25, "cmdbuf": 40, "compile": 15, "policy": 20}
 
 
 def apply_defaults(args) -> None:
@@ -117,6 +117,8 @@ def run_section(name: str, args, out: dict, deadline: Deadline, market, res: dic
         train.section_train(args, out, deadline, market, seed_rows)
     elif name == "replay":
         replay.section_replay(args, out, deadline)
+    elif name == "policy":
+        policy.section_policy(args, out, deadline)
     elif name == "cmdbuf":
         cmdbuf.section_cmdbuf(args, out, deadline)
 
