@@ -582,7 +582,8 @@ def _obs_dim(cfg, market) -> int:
     from foxhunt_jax.data.features import build_tables
     from foxhunt_jax.env.trading import PORTFOLIO_DIM
 
-    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                          cfg.data.split_dates)
     return int(tables.features.shape[1]) + PORTFOLIO_DIM
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from foxhunt_jax.errors import ConfigError
@@ -40,7 +41,11 @@ class SyntheticConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: tuple[str, ...] = ("builtin:us_stocks_daily",)  # paths or builtin:NAME
-    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)  # train, validation, test by time
+    # train, validation, test: fractions of the distinct bar times of all instruments pooled,
+    # giving one calendar boundary for every instrument (foxhunt_jax.data.features.split_boundaries)
+    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)
+    # [validation_start, test_start] (ISO dates or times) in place of the fractions; () = unset
+    split_dates: tuple[str, ...] = ()
     sort: bool = False  # sort unsorted timestamps instead of rejecting the file
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
@@ -308,6 +313,23 @@ def _values_of(node: Any, kind: type, key: str = ""):
             yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if type(v) is kind)
 
 
+def parse_split_dates(dates) -> tuple[np.datetime64, np.datetime64]:
+    """``data.split_dates`` ``[validation_start, test_start]`` (ISO dates or times) as
+    datetime64[ns]; ConfigError unless there are two, both parse and the first is earlier."""
+    if len(dates) != 2:
+        raise ConfigError(f"config key 'data.split_dates' must be empty or two dates "
+                          f"[validation_start, test_start], got {list(dates)!r}")
+    try:
+        first, second = (np.datetime64(str(d).strip(), "ns") for d in dates)
+    except ValueError:
+        raise ConfigError(f"config key 'data.split_dates' must hold ISO dates such as "
+                          f"2012-01-01, got {list(dates)!r}") from None
+    if np.isnat(first) or np.isnat(second) or not first < second:
+        raise ConfigError(f"config key 'data.split_dates' needs validation_start < test_start, "
+                          f"got {list(dates)!r}")
+    return first, second
+
+
 def validate(cfg: Config) -> Config:
     """Every range check lives here. Returns ``cfg`` unchanged or raises ConfigError."""
     for key, value in _values_of(cfg, float):
@@ -321,6 +343,8 @@ def validate(cfg: Config) -> Config:
     _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
     _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",
            "must be three positive fractions summing to 1", d.splits)
+    if d.split_dates:
+        parse_split_dates(d.split_dates)
     s = d.synthetic
     _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
     _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)
@@ -404,4 +428,5 @@ __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
     "CuriosityConfig", "TrainConfig", "load_config", "from_dict", "replace", "validate",
     "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+    "parse_split_dates",
 ]

@@ -81,7 +81,8 @@ def run_statistics(run_dir: str | Path, cfg: Config, warn=None) -> dict:
     (warn or _warn)(f"{run_dir} has no {STATISTICS_FILE} (trained before runs stored it); "
                     "recomputing the normalization statistics from the run's config and data")
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
-    return statistics_of(build_tables(market, cfg.data.splits, cfg.env.episode_length), market)
+    return statistics_of(build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                                      cfg.data.split_dates), market)
 
 
 def _warn(message: str) -> None:

@@ -73,7 +73,8 @@ class Trainer:
         local = parallel.local_device(mesh)
         if market is None:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
-        tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+        tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                              cfg.data.split_dates)
         # Training runs on the whole mesh; validation (small) on this process's first device.
         env_params = {"train": parallel.put_replicated(
                           trading.make_params(tables, cfg.env, "train"), mesh),
