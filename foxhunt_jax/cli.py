@@ -226,6 +226,9 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="evaluate on other market data (repeatable); written to "
                         "report/evaluate_<split>_<names>-<digest>.json")
+    p.add_argument("--agent", choices=("selected", "last"), default="selected",
+                   help="selected: the epoch chosen on validation (train.select_by; default); "
+                        "last: the last checkpoint (written to report/evaluate_<split>_last.json)")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -233,7 +236,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from foxhunt_jax.jitcache import enable_compilation_cache
 
     enable_compilation_cache()
-    api.evaluate(args.run, split=args.split, data=args.data)
+    api.evaluate(args.run, split=args.split, data=args.data, agent=args.agent)
     return 0
 
 

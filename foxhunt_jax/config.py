@@ -124,6 +124,11 @@ class TrainConfig:
     epsilon_end: float = 0.05
     epsilon_decay_epochs: int = 20
     validation_windows: int = 64
+    # the validation metric that chooses the agent the report, evaluate, act and export use
+    # (foxhunt_jax.training.selection): "sharpe" or "total_return" (higher is better) or "loss"
+    # (the validation C51 loss, lower is better)
+    select_by: str = "sharpe"
+    patience: int = 0  # stop after this many epochs without a better select_by; 0 = off
     checkpoint_every: int = 1
     log_every: int = 1
     # S: episodes, replay and batch are split into S shards (foxhunt_jax.parallel), placed on the
@@ -411,6 +416,9 @@ def validate(cfg: Config) -> Config:
            t.epsilon_decay_epochs)
     _check(t.validation_windows >= 1, "train.validation_windows", "must be >= 1",
            t.validation_windows)
+    _check(t.select_by in ("sharpe", "total_return", "loss"), "train.select_by",
+           "must be sharpe, total_return or loss", t.select_by)
+    _check(t.patience >= 0, "train.patience", "must be >= 0 (0: no early stopping)", t.patience)
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)

@@ -61,6 +61,9 @@ class Trainer:
     init_ms: float = 0.0
     compile_ms: float = 0.0
     executables_loaded: int = 0  # programs the last compile() loaded from the executable cache
+    # the network parameters of the epoch run_epoch last reported (a copy, replicated on the
+    # mesh, that later epochs leave alone): what a selection keeps
+    validated_params: Any = None
     _validation_buy_and_hold: dict | None = None  # its metrics on the validation windows
 
     @classmethod
@@ -164,7 +167,9 @@ class Trainer:
         phase_ms["init"], phase_ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0  # reported once
         phase_ms["total"] = sum(phase_ms.values())
-        return state, self._record(jax.device_get(results), phase_ms)
+        self.validated_params = results.validated_params  # stays on the devices
+        return state, self._record(jax.device_get(results._replace(validated_params=None)),
+                                   phase_ms)
 
     def _record(self, results: EpochResults, phase_ms: dict) -> dict:
         """The epoch's metrics record from its results, read to the host in one transfer."""
