@@ -249,9 +249,9 @@ def _args_act(p: argparse.ArgumentParser) -> None:
                    help="decide at each instrument's last bar at or before this time "
                         "(default: its last bar); later bars are not read")
     p.add_argument("--agent", choices=("selected", "last"), default="selected",
-                   help="selected: the validation-selected agent (runs do not record one yet: "
-                        "the last agent is used and the output says so); last: the latest "
-                        "checkpoint")
+                   help="selected: the agent of the epoch chosen on validation "
+                        "(train.select_by; a run from before selection gives its last agent and "
+                        "the output says so); last: the latest checkpoint")
     g = p.add_argument_group("portfolio held into the decision bar's close (default flat)")
     g.add_argument("--position", metavar="P", type=float, default=0.0,
                    help="the exposure held, one of the run's env.exposures")
