@@ -13,7 +13,7 @@ import pytest
 
 from foxhunt_jax import api
 from foxhunt_jax.config import load_config
-from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.errors import ConfigError, FoxhuntError
 from foxhunt_jax.policy.policy import Policy
 from foxhunt_jax.training import checkpoint
 from foxhunt_jax.training.rundir import read_metrics
@@ -211,7 +211,7 @@ def test_damaged_selected_step_falls_back_with_a_warning(full, tmp_path, capsys)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     _, state = api.load_run(run)
     if len(steps) == 1:
-        with pytest.raises(Exception, match="no intact selected agent"):
+        with pytest.raises(FoxhuntError, match="no intact selected agent"):
             api.run_agent(run, state)
         return
     _, info = api.run_agent(run, state)
