@@ -40,6 +40,7 @@ class TrainResult:
     history: list[dict]
     summary: dict  # final validation/test metrics of agent, buy-and-hold and random
     selection: Selection | None = None  # the agent chosen on validation (train.select_by)
+    selected_agent: AgentState | None = None  # that agent on the host (its network selected)
 
 
 def phase_line(rec: dict, epochs: int) -> str:
@@ -100,6 +101,11 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     started with, apart from ``train.epochs``) and drops the records of later epochs; the
     checkpoint may come from another device count. Raises NonFiniteError when the loss or
     parameters become NaN/Inf; the last good checkpoint stays as it was.
+
+    Every epoch's validation metric ``train.select_by`` chooses the agent
+    (:mod:`~foxhunt_jax.training.selection`); ``train.patience`` > 0 stops the run early. The
+    selected agent's network is saved to ``out_dir/selected/<epoch>/`` before the checkpoint
+    that names it, the final report walks it, and ``TrainResult.selected_agent`` holds it.
 
     ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
     count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
@@ -217,11 +223,11 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
         if bar:
             bar.stop()
     summary = {}
+    agent = _selected_agent(trainer, state, out, selection, selected_params)
     if final_report:
-        agent = _selected_agent(trainer, state, out, selection, selected_params)
         summary = _final_report(trainer, agent, state, selection, history, out, log)
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary,
-                       selection=selection)
+                       selection=selection, selected_agent=agent)
 
 
 def _selected_metadata(cfg: Config, selection: Selection) -> dict:
@@ -385,5 +391,5 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     return metrics
 
 
-__all__ = ["train", "evaluate", "load_run", "run_agent", "agent_text", "evaluation_path", "TrainResult", "phase_line",
-           "all_finite"]
+__all__ = ["train", "evaluate", "load_run", "run_agent", "agent_text", "evaluation_path",
+           "TrainResult", "phase_line", "all_finite", "AGENTS"]

@@ -144,6 +144,7 @@ def test_policy_loads_the_selected_agent(full):
     assert policy.agent == "selected" and policy.epoch == best
     assert f"selected agent (epoch {best} of {EPOCHS}, validation sharpe" in policy.agent_note
     assert_same_tree(policy.params, params_of(out, best))
+    assert_same_tree(res.selected_agent.params, params_of(out, best))
     last = Policy.load(out, agent="last")
     assert last.agent == "last" and last.epoch == EPOCHS
     assert_same_tree(last.params, res.state.agent.params)

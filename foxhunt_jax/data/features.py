@@ -272,10 +272,14 @@ def split_boundaries(market: MarketData, splits=(0.7, 0.15, 0.15), dates=()) -> 
                       f"distinct bar times after each instrument's {WARMUP}-bar warm-up")
 
 
+def _moment_text(t: np.datetime64) -> str:
+    """``2012-01-03`` at midnight, else ``2012-01-03 14:00:00``."""
+    return str(t.astype("datetime64[s]")).replace("T00:00:00", "").replace("T", " ")
+
+
 def window_text(dates: SplitDates, split: str) -> str:
     """The calendar window of ``split`` in words, e.g. ``from 2012-01-03 to before 2012-07-02``."""
-    day = lambda t: str(t.astype("datetime64[s]")).replace("T00:00:00", "").replace("T", " ")  # noqa: E731
-    v, t = day(dates.validation_start), day(dates.test_start)
+    v, t = _moment_text(dates.validation_start), _moment_text(dates.test_start)
     return {"train": f"before {v}", "validation": f"from {v} to before {t}",
             "test": f"from {t}"}[split]
 
