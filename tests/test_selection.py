@@ -15,9 +15,10 @@ from foxhunt_jax import api
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError, FoxhuntError
 from foxhunt_jax.policy.policy import Policy
-from foxhunt_jax.training import checkpoint
+from foxhunt_jax.training import checkpoint, report
 from foxhunt_jax.training.rundir import read_metrics
 from foxhunt_jax.training.selection import Selection
+from test_report import read_events, visible_scalars
 
 EPOCHS = 6
 # checkpoints every 2 epochs: epochs 1, 3 and 5 queue the next one, and a selection made at an
@@ -116,6 +117,10 @@ def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full):
         assert r["selected_epoch"] == int(np.nanargmax(upto)) + 1
         assert r["best_sharpe"] == max(upto) and r["select_value"] == sharpes[r["epoch"] - 1]
         assert r["select_metric"] == "sharpe"
+    # TensorBoard holds the same numbers under the same names
+    shown = visible_scalars(read_events(out / "tb"))
+    for key in ("selected_epoch", "best_sharpe", "select_value", "epochs_since_best"):
+        assert shown[key] == {r["epoch"]: pytest.approx(r[key]) for r in recs}, key
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert summary["selected_epoch"] == best and summary["select_metric"] == "sharpe"
     assert summary["best_sharpe"] == pytest.approx(max(sharpes))
@@ -241,3 +246,20 @@ def test_patience_stops_the_run_and_a_stopped_run_stays_stopped(full, tmp_path):
     assert early.selection.epoch == res.history[stop - 1]["selected_epoch"]
     again = api.train(cfg, run, resume=True, final_report=False, **QUIET)
     assert len(read_metrics(run)) == stop and again.selection == early.selection
+
+
+def test_training_plot_marks_the_selected_epoch():
+    records = [dict(rec(e, sharpe=s, total_return=s / 10, loss=2.0), loss=2.5 - e / 10,
+                    epsilon=1 - e / 10)
+               for e, s in zip(range(1, 6), [0.1, 0.4, 0.3, 0.2, 0.35])]
+    sel = Selection("sharpe")
+    for r in records:
+        sel, _ = sel.update(r)
+        r.update(sel.record_fields(r))
+    fig = report.training_figure(records)
+    panels = [ax for ax in fig.axes if ax.get_lines()]
+    assert len(panels) == 4
+    for ax in panels:
+        marks = [line for line in ax.get_lines()
+                 if line.get_label() == "selected: epoch 2 (validation sharpe)"]
+        assert len(marks) == 1 and list(marks[0].get_xdata()) == [2, 2]
