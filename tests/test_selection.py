@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from foxhunt_jax import api
+from foxhunt_jax import api, jitcache
+from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError, FoxhuntError
 from foxhunt_jax.policy.policy import Policy
@@ -106,7 +107,7 @@ def full(tmp_path_factory):
     return out, res
 
 
-def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full):
+def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full, capsys, monkeypatch):
     out, res = full
     recs = read_metrics(out)
     sharpes = [r["val"]["sharpe"] for r in recs]
@@ -136,10 +137,14 @@ def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full):
     assert metrics["agent"] == pytest.approx(summary["validation"]["agent"], nan_ok=True)
     written = json.loads((out / "report" / "evaluate_validation.json").read_text())
     assert written["agent"]["agent"] == "selected" and written["agent"]["epoch"] == best
-    last = api.evaluate(out, split="validation", log=lambda s: None, agent="last")
-    assert (out / "report" / "evaluate_validation_last.json").is_file()
+    # the CLI in this process: its executable cache stays off, as conftest keeps it
+    monkeypatch.setattr(jitcache, "enable_compilation_cache", lambda *a, **k: None)
+    assert main(["evaluate", "--run", str(out), "--split", "validation", "--agent", "last"]) == 0
+    assert f"validation split (full walk), last agent (epoch {EPOCHS})" in capsys.readouterr().out
+    last = json.loads((out / "report" / "evaluate_validation_last.json").read_text())
+    assert last["agent"] == {"agent": "last", "epoch": EPOCHS}
     if best != EPOCHS:
-        assert last["agent"] != metrics["agent"]
+        assert last["metrics"]["agent"] != metrics["agent"]
 
 
 def test_policy_loads_the_selected_agent(full):
