@@ -21,11 +21,13 @@ import jax
 import numpy as np
 
 from foxhunt_jax import parallel
+from foxhunt_jax.agent.learner import AgentState
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.training import checkpoint, report
 from foxhunt_jax.training.phases import TrainerState, all_finite
+from foxhunt_jax.training.selection import Selection
 from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
                                          to_jsonable)
 from foxhunt_jax.training.trainer import Trainer
@@ -37,6 +39,8 @@ class TrainResult:
     trainer: Trainer
     history: list[dict]
     summary: dict  # final validation/test metrics (metrics.evaluation_results' layout)
+    selection: Selection | None = None  # the agent chosen on validation (train.select_by)
+    selected_agent: AgentState | None = None  # that agent on the host (its network selected)
 
 
 def phase_line(rec: dict, epochs: int) -> str:
@@ -79,8 +83,8 @@ def _check_finite(state: TrainerState, rec: dict) -> None:
                                  "checkpoint kept")
 
 
-def _metadata(cfg: Config, epoch: int) -> dict:
-    return {"epoch": epoch, "config": to_dict(cfg)}
+def _metadata(cfg: Config, epoch: int, selection: Selection) -> dict:
+    return {"epoch": epoch, "config": to_dict(cfg), "selection": selection.to_json()}
 
 
 def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = False,
@@ -97,6 +101,11 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     started with, apart from ``train.epochs``) and drops the records of later epochs; the
     checkpoint may come from another device count. Raises NonFiniteError when the loss or
     parameters become NaN/Inf; the last good checkpoint stays as it was.
+
+    Every epoch's validation metric ``train.select_by`` chooses the agent
+    (:mod:`~foxhunt_jax.training.selection`); ``train.patience`` > 0 stops the run early. The
+    selected agent's network is saved to ``out_dir/selected/<epoch>/`` before the checkpoint
+    that names it, the final report walks it, and ``TrainResult.selected_agent`` holds it.
 
     ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
     count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
@@ -151,27 +160,43 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     if note is not None and devices is None:
         log(note)
     state = trainer.init_state()
+    selection = Selection(cfg.train.select_by)
     if resume:
-        state, _, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
+        state, meta, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
         writer.truncate_after(int(state.epoch))  # records run ahead of checkpoints
+        if "selection" in meta:
+            selection = Selection.from_json(meta["selection"])
+        else:
+            log("the checkpoint holds no selection (a run from before it): agents are "
+                "selected from the resumed epochs on")
         log(f"resumed from epoch {int(state.epoch)}")
     elif writer is not None and jax.process_index() == 0:
         # what a policy of this run normalizes its inputs with
         write_statistics(out, trainer.tables, trainer.market)
+    if out is not None:  # agents selected after the state (a killed run's) are selected again
+        checkpoint.drop_after(out / checkpoint.SELECTED_DIR, int(state.epoch))
     history = read_metrics(out) if (resume and out is not None) else []
 
-    epochs = cfg.train.epochs
+    epochs, patience = cfg.train.epochs, cfg.train.patience
     bar = _progress(progress, epochs, int(state.epoch))
     epoch = int(state.epoch)
+    selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
     try:
-        while epoch < epochs:
+        while epoch < epochs and not selection.stops(patience):
             # Queue the next epoch's Experience and Training behind this epoch (their launches
-            # then overlap GPU work) unless this epoch's state is to be checkpointed.
-            save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
-                                        or epoch + 1 == epochs)
-            state, rec = trainer.run_epoch(state, queue_next=epoch + 1 < epochs and not save)
+            # then overlap GPU work) unless this epoch's state is to be checkpointed or may be
+            # the last (early stopping).
+            scheduled = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
+                                             or epoch + 1 == epochs)
+            may_stop = patience > 0 and selection.stale + 1 >= patience
+            state, rec = trainer.run_epoch(
+                state, queue_next=epoch + 1 < epochs and not scheduled and not may_stop)
             epoch = rec["epoch"]
             _check_finite(state, rec)
+            selection, improved = selection.update(rec)
+            if improved:
+                selected_params, unsaved = trainer.validated_params, True
+            rec.update(selection.record_fields(rec))
             if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
                 (bar.console.print if bar else log)(compile_line(rec, trainer))
             history.append(rec)
@@ -179,19 +204,50 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
                 writer.log(rec)
             if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:
                 (bar.console.print if bar else log)(phase_line(rec, epochs))
-            if save:
-                # every process calls save: orbax synchronizes them and process 0 writes
+            stop = selection.stops(patience)
+            if out is not None and (scheduled or stop):
+                # every process calls save: orbax synchronizes them and process 0 writes. The
+                # selected agent goes first: a checkpoint never names one that is not on disk.
+                if unsaved:
+                    checkpoint.save(out / checkpoint.SELECTED_DIR, selection.epoch,
+                                    selected_params, _selected_metadata(cfg, selection),
+                                    keep=checkpoint.KEEP + 1)
+                    unsaved = False
                 checkpoint.save(out / "checkpoints", rec["epoch"], state,
-                                _metadata(cfg, rec["epoch"]))
+                                _metadata(cfg, rec["epoch"], selection))
+            if stop:
+                (bar.console.print if bar else log)(
+                    f"early stop after epoch {epoch}: validation {selection.metric} has not "
+                    f"improved for {patience} epochs (train.patience); selected epoch "
+                    f"{selection.epoch}")
             if bar:
                 bar.advance(bar.task_ids[0])
     finally:
         if bar:
             bar.stop()
     summary = {}
+    agent = _selected_agent(trainer, state, out, selection, selected_params)
     if final_report:
-        summary = _final_report(trainer, state, history, out, log)
-    return TrainResult(state=state, trainer=trainer, history=history, summary=summary)
+        summary = _final_report(trainer, agent, state, selection, history, out, log)
+    return TrainResult(state=state, trainer=trainer, history=history, summary=summary,
+                       selection=selection, selected_agent=agent)
+
+
+def _selected_metadata(cfg: Config, selection: Selection) -> dict:
+    return {"epoch": selection.epoch, "select_by": selection.metric, "value": selection.value,
+            "config": to_dict(cfg)}
+
+
+def _selected_agent(trainer: Trainer, state: TrainerState, out: Path | None,
+                    selection: Selection, selected_params) -> AgentState:
+    """The selected agent on the host: its parameters from this process's run, or, for a
+    resumed run whose selection came before the resume, from the run folder."""
+    agent = parallel.to_host(state.agent)
+    if selected_params is not None:
+        return agent.replace(params=parallel.to_host(selected_params))
+    if out is None or selection.epoch == 0:
+        return agent
+    return run_agent(out, state, "selected")[0]
 
 
 def _progress(enabled: bool | None, total: int, done: int):
@@ -207,13 +263,19 @@ def _progress(enabled: bool | None, total: int, done: int):
     return bar
 
 
-def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], out: Path | None,
-                  log) -> dict:
+def _final_report(trainer: Trainer, agent: AgentState, state: TrainerState,
+                  selection: Selection, history: list[dict], out: Path | None, log) -> dict:
+    """Full walks of the validation and test splits by ``agent`` (the selected one, on the
+    host: every process evaluates its own copy), the summary and the report files."""
     summary: dict[str, Any] = {"epochs": int(state.epoch),
-                               "bars_per_year": trainer.market.bars_per_year}
+                               "bars_per_year": trainer.market.bars_per_year,
+                               "agent": "selected", "selected_epoch": selection.epoch,
+                               "select_metric": selection.metric,
+                               f"best_{selection.metric}": selection.value,
+                               "stopped_early": selection.stops(trainer.cfg.train.patience)}
+    log(f"selected agent: epoch {selection.epoch} of {int(state.epoch)} (validation "
+        f"{selection.metric} {selection.value:+.4g}, train.select_by)")
     evaluations = {}
-    # Every process evaluates a local copy of the (replicated) agent on its own default device.
-    agent = parallel.to_host(state.agent)
     for split in ("validation", "test"):
         evaluations[split] = trainer.evaluate_split(agent, split)
         summary[split] = evaluations[split]["metrics"]
@@ -226,7 +288,8 @@ def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], ou
 
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
     """Rebuilds the trainer of a run directory and restores its newest intact checkpoint (a
-    damaged one is skipped with a warning line; none intact: FoxhuntError)."""
+    damaged one is skipped with a warning line; none intact: FoxhuntError). The state's agent
+    is the last one; :func:`run_agent` gives the selected one."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (no config.yaml)")
@@ -241,13 +304,53 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
     return trainer, state
 
 
+AGENTS = ("selected", "last")
+
+
+def run_agent(run_dir: str | Path, state: TrainerState, agent: str = "selected"
+              ) -> tuple[AgentState, dict]:
+    """The agent of a run (:func:`load_run`'s ``state``) on the host, and what it is.
+
+    ``agent="selected"``: the network of the epoch chosen on validation (``train.select_by``),
+    read from ``DIR/selected/`` (:func:`~foxhunt_jax.training.checkpoint.restore_selected`; a
+    damaged step is skipped with a warning line); a run from before selection gives its last
+    agent, and the description says so. ``"last"``: the state's own. The description holds
+    ``agent``, ``epoch`` and, for a selected agent, ``select_metric`` and ``select_value``.
+    """
+    if agent not in AGENTS:
+        raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
+    host, epoch = parallel.to_host(state.agent), int(state.epoch)
+    if agent == "last":
+        return host, {"agent": "last", "epoch": epoch}
+    found = checkpoint.restore_selected(Path(run_dir) / checkpoint.SELECTED_DIR, epoch,
+                                        host.params, warn=_warn)
+    if found is None:
+        return host, {"agent": "last", "epoch": epoch,
+                      "note": "the run records no selected agent (it predates selection)"}
+    params, meta, step = found
+    return host.replace(params=params), {"agent": "selected", "epoch": step,
+                                         "select_metric": meta.get("select_by"),
+                                         "select_value": meta.get("value")}
+
+
+def agent_text(info: dict) -> str:
+    """:func:`run_agent`'s description in words, e.g. ``selected agent (epoch 4, validation
+    sharpe +1.23)``."""
+    if info["agent"] == "selected":
+        value = info.get("select_value")
+        shown = "n/a" if value is None else f"{value:+.4g}"
+        return (f"selected agent (epoch {info['epoch']}, validation {info['select_metric']} "
+                f"{shown})")
+    return f"last agent (epoch {info['epoch']})" + (f"; {info['note']}" if "note" in info else "")
+
+
 def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
-                    run_data: list[str]) -> Path:
+                    run_data: list[str], agent: str = "selected") -> Path:
     """Where :func:`evaluate` writes: ``report/evaluate_<split>.json`` on the run's own data,
     ``report/evaluate_<split>_<names>-<digest>.json`` on other data (``names``: the sources'
     file or builtin names; ``digest``: 8 hex digits of SHA-256 of the source list), so an
-    evaluation on other data never replaces the run's own."""
-    name = f"evaluate_{split}"
+    evaluation on other data never replaces the run's own; ``agent="last"`` adds ``_last``."""
+    name = f"evaluate_{split}" + ("_last" if agent == "last" else "")
     if data and list(data) != list(run_data):
         stems = [Path(d.split(":", 1)[-1].split("?", 1)[0]).stem for d in data]
         names = re.sub(r"[^A-Za-z0-9._-]+", "_", "+".join(stems))[:40].strip("._") or "data"
@@ -257,11 +360,12 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
 
 
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
-             log: Callable[[str], None] | None = None) -> dict:
+             log: Callable[[str], None] | None = None, agent: str = "selected") -> dict:
     """Greedy full-split evaluation of a trained run against buy-and-hold, flat and the random
     policies.
 
     ``data`` evaluates the trained agent on other market data (same features and config).
+    ``agent``: ``"selected"`` (the epoch chosen on validation) or ``"last"`` (:func:`run_agent`).
     Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data),
     names it in a line, and returns its ``metrics``: the layout of
     :func:`~foxhunt_jax.training.metrics.evaluation_results` (portfolio metrics by policy,
@@ -269,15 +373,18 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
+    if agent not in AGENTS:
+        raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
     log = log or print
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
-    metrics = trainer.evaluate_split(parallel.to_host(state.agent), split)["metrics"]
+    policy, info = run_agent(run_dir, state, agent)
+    metrics = trainer.evaluate_split(policy, split)["metrics"]
     log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
-                                              "portfolio)"))
+                                              f"portfolio), {agent_text(info)}"))
     run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
-    path = evaluation_path(run_dir, split, data, run_data)
-    payload = {"split": split, "data": data or list(trainer.cfg.data.source),
+    path = evaluation_path(run_dir, split, data, run_data, agent)
+    payload = {"split": split, "data": data or list(trainer.cfg.data.source), "agent": info,
                "seconds": time.perf_counter() - t0, "metrics": metrics}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,5 +397,5 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     return metrics
 
 
-__all__ = ["train", "evaluate", "load_run", "evaluation_path", "TrainResult", "phase_line",
-           "all_finite"]
+__all__ = ["train", "evaluate", "load_run", "run_agent", "agent_text", "evaluation_path",
+           "TrainResult", "phase_line", "all_finite", "AGENTS"]

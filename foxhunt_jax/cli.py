@@ -99,18 +99,32 @@ def _args_data_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sort", action="store_true",
                    help="sort unsorted timestamps instead of rejecting the file")
     p.add_argument("--splits", default="0.7,0.15,0.15",
-                   help="train,validation,test fractions by time (default 0.7,0.15,0.15)")
+                   help="train,validation,test fractions of the distinct bar times of all "
+                        "instruments pooled, one calendar boundary for all (default "
+                        "0.7,0.15,0.15)")
+    p.add_argument("--split-dates", metavar="VALIDATION_START,TEST_START", default=None,
+                   help="calendar boundaries in place of --splits, e.g. 2009-01-01,2011-01-01")
+    p.add_argument("--episode-length", default=None, metavar="L",
+                   help="env.episode_length: an instrument contributes to a split only with at "
+                        "least L + 1 bars there (default: the config default, 100)")
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
     """Loads and validates the sources; prints one row per instrument."""
     from foxhunt_jax.config import from_dict
+    from foxhunt_jax.data.features import SPLITS, split_boundaries, window_text
     from foxhunt_jax.data.loader import load_market, split_counts
-    from foxhunt_jax.data.market import WARMUP_BARS, median_bar_seconds
+    from foxhunt_jax.data.market import median_bar_seconds
 
-    cfg = from_dict({"data": {"source": list(args.paths), "sort": bool(args.sort),
-                              "splits": list(_parse_splits(args.splits))}}).data
+    dates = [] if args.split_dates is None else args.split_dates.split(",")
+    full = from_dict({"data": {"source": list(args.paths), "sort": bool(args.sort),
+                               "splits": list(_parse_splits(args.splits)),
+                               "split_dates": dates},
+                      "env": ({} if args.episode_length is None
+                              else {"episode_length": args.episode_length})})
+    cfg, needed = full.data, full.env.episode_length + 1
     market = load_market(cfg.source, sort=cfg.sort, synthetic=cfg.synthetic)
+    boundaries = split_boundaries(market, cfg.splits, cfg.split_dates)
 
     headers = ("instrument", "source", "bars", "first", "last", "frequency", "train",
                "validation", "test")
@@ -120,15 +134,19 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         n = len(ins)
         total += n
         midnight = bool(np.all(ins.timestamps == ins.timestamps.astype("datetime64[D]")))
-        train, val, test = split_counts(n, cfg.splits)
+        counts = [f"{c}" if c >= needed else f"{c}*"
+                  for c in split_counts(ins.timestamps, boundaries)]
         rows.append((ins.name, ins.source, str(n), format_timestamp(ins.timestamps[0], midnight),
                      format_timestamp(ins.timestamps[-1], midnight),
-                     human_duration(median_bar_seconds([ins])), str(train), str(val), str(test)))
+                     human_duration(median_bar_seconds([ins])), *counts))
     title = f"market data: {', '.join(cfg.source)}"
+    windows = "; ".join(f"{s} {window_text(boundaries, s)}" for s in SPLITS)
     footer = (f"{len(market.instruments)} instruments, {total} bars, bar frequency "
-              f"{human_duration(market.bar_seconds)}, {market.bars_per_year:.1f} bars per year, "
-              f"splits {','.join(f'{f:g}' for f in cfg.splits)} of the bars after each "
-              f"instrument's first {WARMUP_BARS} (feature warm-up)")
+              f"{human_duration(market.bar_seconds)}, {market.bars_per_year:.1f} bars per year\n"
+              f"splits by calendar time, the same for every instrument: {windows} "
+              f"({boundaries.rule})\n"
+              f"counts are bars after each instrument's warm-up; * fewer than {needed} "
+              f"(env.episode_length + 1): the instrument contributes none of them there")
     _render_table(headers, rows, title, footer)
     return 0
 
@@ -208,6 +226,9 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="evaluate on other market data (repeatable); written to "
                         "report/evaluate_<split>_<names>-<digest>.json")
+    p.add_argument("--agent", choices=("selected", "last"), default="selected",
+                   help="selected: the epoch chosen on validation (train.select_by; default); "
+                        "last: the last checkpoint (written to report/evaluate_<split>_last.json)")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -215,7 +236,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from foxhunt_jax.jitcache import enable_compilation_cache
 
     enable_compilation_cache()
-    api.evaluate(args.run, split=args.split, data=args.data)
+    api.evaluate(args.run, split=args.split, data=args.data, agent=args.agent)
     return 0
 
 
@@ -228,9 +249,9 @@ def _args_act(p: argparse.ArgumentParser) -> None:
                    help="decide at each instrument's last bar at or before this time "
                         "(default: its last bar); later bars are not read")
     p.add_argument("--agent", choices=("selected", "last"), default="selected",
-                   help="selected: the validation-selected agent (runs do not record one yet: "
-                        "the last agent is used and the output says so); last: the latest "
-                        "checkpoint")
+                   help="selected: the agent of the epoch chosen on validation "
+                        "(train.select_by; a run from before selection gives its last agent and "
+                        "the output says so); last: the latest checkpoint")
     g = p.add_argument_group("portfolio held into the decision bar's close (default flat)")
     g.add_argument("--position", metavar="P", type=float, default=0.0,
                    help="the exposure held, one of the run's env.exposures")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from foxhunt_jax.data.features import DEFAULT_FEATURES, resolve_features
+from foxhunt_jax.data.features import DEFAULT_FEATURES, parse_split_dates, resolve_features
 from foxhunt_jax.errors import ConfigError
 
 # the configs shipped with the package: the repository's top-level configs/, which the package
@@ -44,7 +44,11 @@ class SyntheticConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: tuple[str, ...] = ("builtin:us_stocks_daily",)  # paths or builtin:NAME
-    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)  # train, validation, test by time
+    # train, validation, test: fractions of the distinct bar times of all instruments pooled,
+    # giving one calendar boundary for every instrument (foxhunt_jax.data.features.split_boundaries)
+    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)
+    # [validation_start, test_start] (ISO dates or times) in place of the fractions; () = unset
+    split_dates: tuple[str, ...] = ()
     sort: bool = False  # sort unsorted timestamps instead of rejecting the file
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # the feature columns, in order: built-in names, user ones (foxhunt_jax.data.features.register)
@@ -133,6 +137,11 @@ class TrainConfig:
     epsilon_end: float = 0.05
     epsilon_decay_epochs: int = 20
     validation_windows: int = 64
+    # the validation metric that chooses the agent the report, evaluate, act and export use
+    # (foxhunt_jax.training.selection): "sharpe" or "total_return" (higher is better) or "loss"
+    # (the validation C51 loss, lower is better)
+    select_by: str = "sharpe"
+    patience: int = 0  # stop after this many epochs without a better select_by; 0 = off
     checkpoint_every: int = 1
     log_every: int = 1
     # S: episodes, replay and batch are split into S shards (foxhunt_jax.parallel), placed on the
@@ -333,6 +342,7 @@ def _values_of(node: Any, kind: type, key: str = ""):
             yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if type(v) is kind)
 
 
+
 def validate(cfg: Config) -> Config:
     """Every range check lives here. Returns ``cfg`` with ``data.features`` resolved to names
     (patterns expanded) or raises ConfigError."""
@@ -347,6 +357,8 @@ def validate(cfg: Config) -> Config:
     _check(len(d.source) >= 1, "data.source", "needs at least one path or builtin:NAME", d.source)
     _check(all(x > 0 for x in d.splits) and abs(sum(d.splits) - 1) < 1e-6, "data.splits",
            "must be three positive fractions summing to 1", d.splits)
+    if d.split_dates:
+        parse_split_dates(d.split_dates)
     s = d.synthetic
     _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
     _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)
@@ -417,6 +429,9 @@ def validate(cfg: Config) -> Config:
            t.epsilon_decay_epochs)
     _check(t.validation_windows >= 1, "train.validation_windows", "must be >= 1",
            t.validation_windows)
+    _check(t.select_by in ("sharpe", "total_return", "loss"), "train.select_by",
+           "must be sharpe, total_return or loss", t.select_by)
+    _check(t.patience >= 0, "train.patience", "must be >= 0 (0: no early stopping)", t.patience)
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)

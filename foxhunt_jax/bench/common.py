@@ -158,6 +158,7 @@ def rel_err(got, ref) -> float:
 
 def obs_dim_of(cfg, market) -> int:
     """The observation width of ``cfg``'s features on ``market`` plus the portfolio's."""
-    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length, cfg.data.features)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                          features=cfg.data.features, split_dates=cfg.data.split_dates)
     return int(tables.features.shape[1]) + PORTFOLIO_DIM
 

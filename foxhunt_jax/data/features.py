@@ -10,9 +10,12 @@ The no-look-ahead contract: every feature of bar ``t`` is a function of the bars
 own instrument only (:func:`check_no_lookahead` tests one feature for it). A feature's
 ``window`` is the number of bars its value reads, bar ``t`` included; it is at most
 ``WARMUP + 1``. The first ``WARMUP`` (64) bars of each instrument lack a full history and are
-dropped. The remaining rows of each instrument are split by time into train, validation and
-test; features are normalized with the mean and std of the train rows of all instruments pooled
-(so nothing about validation or test leaks into the train inputs), then clipped to [-10, 10].
+dropped (never traded; they, and every earlier bar, may be read as the history of later
+features). The remaining rows are split at one calendar boundary shared by all instruments
+(:func:`split_boundaries`): an instrument contributes to a split only its bars inside that
+split's window, and none when it has fewer than ``episode_length + 1`` there. Features are
+normalized with the mean and std of the train rows of all instruments pooled (so nothing about
+validation or test leaks into the train inputs), then clipped to [-10, 10].
 Instruments are concatenated into one table so that an episode gathers its row with a single
 index.
 
@@ -116,7 +119,8 @@ class MarketTables:
     open, high, low, close, sigma, last_log_return [T] float32; instrument [T] int32;
     timestamps [T] datetime64[ns];
     segments[split] int64 [n_instruments, 2]: first and last global row of that split of each
-    instrument, inclusive (an empty segment has last = first - 1);
+    instrument, inclusive (an empty segment has last = first - 1: the instrument has fewer than
+    ``episode_length + 1`` bars in that split's calendar window);
     starts[split] int32 [S]: valid episode starts (bars s .. s + episode_length in one segment);
     feature_names [F]: the registered features of the columns, in order;
     norm_mean, norm_std float32 [F]: the statistics applied (train rows only).
@@ -140,6 +144,7 @@ class MarketTables:
     bar_seconds: float
     bars_per_year: float
     episode_length: int
+    split_dates: SplitDates | None = None  # the calendar boundaries the segments were cut at
 
     @property
     def num_features(self) -> int:
@@ -478,11 +483,89 @@ def _check_args(splits, episode_length) -> None:
         raise ConfigError(f"env.episode_length must be an integer >= 1, got {episode_length!r}")
 
 
-def split_bounds(rows: int, splits) -> list[tuple[int, int]]:
-    """Local [first, last] (inclusive) rows of train/validation/test for ``rows`` rows by time."""
-    train, val, _ = split_sizes(rows, splits)
-    b1, b2 = train, train + val
-    return [(0, b1 - 1), (b1, b2 - 1), (b2, rows - 1)]
+@dataclass(frozen=True)
+class SplitDates:
+    """One calendar boundary between the splits, the same for every instrument.
+
+    A bar at time ``ts`` is train when ``ts < validation_start``, validation when
+    ``validation_start <= ts < test_start``, test when ``ts >= test_start``. ``rule`` says how
+    the boundaries were found (for ``data check`` and the logs).
+    """
+
+    validation_start: np.datetime64  # datetime64[ns]
+    test_start: np.datetime64  # datetime64[ns]
+    rule: str
+
+
+def parse_split_dates(dates) -> tuple[np.datetime64, np.datetime64]:
+    """``data.split_dates`` ``[validation_start, test_start]`` (ISO dates or times) as
+    datetime64[ns]; ConfigError unless there are two, both parse and the first is earlier."""
+    if len(dates) != 2:
+        raise ConfigError(f"config key 'data.split_dates' must be empty or two dates "
+                          f"[validation_start, test_start], got {list(dates)!r}")
+    try:
+        first, second = (np.datetime64(str(d).strip(), "ns") for d in dates)
+    except ValueError:
+        raise ConfigError(f"config key 'data.split_dates' must hold ISO dates such as "
+                          f"2012-01-01, got {list(dates)!r}") from None
+    if np.isnat(first) or np.isnat(second) or not first < second:
+        raise ConfigError(f"config key 'data.split_dates' needs validation_start < test_start, "
+                          f"got {list(dates)!r}")
+    return first, second
+
+
+def split_boundaries(market: MarketData, splits=(0.7, 0.15, 0.15), dates=()) -> SplitDates:
+    """The calendar boundaries of the splits.
+
+    With ``dates`` (``data.split_dates``) they are those two times. Otherwise the fractions
+    ``splits`` are applied to the sorted distinct times of every instrument's tradable bars
+    (those after its ``WARMUP`` warm-up bars), pooled: with ``U`` such times, train holds the
+    first ``round(U * f0)``, validation starts at the next one and test at distinct time number
+    ``round(U * (f0 + f1))`` (:func:`~foxhunt_jax.data.market.split_sizes`). Only timestamps are
+    read, never prices.
+    """
+    if len(dates):
+        first, second = parse_split_dates(dates)
+        return SplitDates(first, second, "data.split_dates")
+    stamps = [np.asarray(ins.timestamps[WARMUP:]).astype("datetime64[ns]")
+              for ins in market.instruments]
+    times = np.unique(np.concatenate(stamps)) if stamps else np.array([], "datetime64[ns]")
+    if times.size < 3:
+        sources = ", ".join(sorted({ins.source for ins in market.instruments})) or "market"
+        raise DataError(sources, f"{times.size} distinct bar times after the {WARMUP}-bar "
+                        "warm-up; three splits need at least 3")
+    train, val, _ = split_sizes(times.size, splits)
+    last = times.size - 1
+    return SplitDates(times[min(train, last)], times[min(train + val, last)],
+                      f"fractions {','.join(f'{f:g}' for f in splits)} of the {times.size} "
+                      f"distinct bar times after each instrument's {WARMUP}-bar warm-up")
+
+
+def _moment_text(t: np.datetime64) -> str:
+    """``2012-01-03`` at midnight, else ``2012-01-03 14:00:00``."""
+    return str(t.astype("datetime64[s]")).replace("T00:00:00", "").replace("T", " ")
+
+
+def window_text(dates: SplitDates, split: str) -> str:
+    """The calendar window of ``split`` in words, e.g. ``from 2012-01-03 to before 2012-07-02``."""
+    v, t = _moment_text(dates.validation_start), _moment_text(dates.test_start)
+    return {"train": f"before {v}", "validation": f"from {v} to before {t}",
+            "test": f"from {t}"}[split]
+
+
+def split_bounds(timestamps: np.ndarray, dates: SplitDates, min_rows: int = 1
+                 ) -> list[tuple[int, int]]:
+    """Local [first, last] (inclusive) rows of train/validation/test of one instrument whose
+    tradable bars have the sorted ``timestamps`` [rows], cut at the calendar ``dates``.
+
+    A split with fewer than ``min_rows`` rows is left empty (``last = first - 1``): the
+    instrument contributes none of its bars there.
+    """
+    ts = np.asarray(timestamps).astype("datetime64[ns]")
+    b1, b2 = (int(np.searchsorted(ts, d, side="left"))
+              for d in (dates.validation_start, dates.test_start))
+    bounds = [(0, b1 - 1), (b1, b2 - 1), (b2, ts.size - 1)]
+    return [(a, b) if b - a + 1 >= min_rows else (a, a - 1) for a, b in bounds]
 
 
 def _train_stats(raw: list, train: list) -> tuple[np.ndarray, np.ndarray]:
@@ -507,9 +590,12 @@ def normalize(raw: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
 
 
 def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: int = 100,
-                 features: Sequence[str] = DEFAULT_FEATURES) -> MarketTables:
+                 features: Sequence[str] = DEFAULT_FEATURES, split_dates=()) -> MarketTables:
     """Features ``features`` (registered names or patterns, :func:`resolve_features`),
     splits, normalization and valid starts of all instruments (see module doc).
+
+    ``splits`` and ``split_dates`` (``data.splits``, ``data.split_dates``) give the calendar
+    boundaries (:func:`split_boundaries`), kept in ``tables.split_dates``.
 
     Raises DataError when an instrument breaks the price rule of
     :func:`foxhunt_jax.data.checks.first_price_problem` (the loader's rule, applied here to
@@ -524,9 +610,11 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
             raise DataError(ins.source, f"instrument {ins.name}, bar {problem.index} ({when}): "
                                         f"{problem.message} ({PRICE_RULE})")
     L = int(episode_length)
+    dates = split_boundaries(market, splits, split_dates)
     raw, sig, lr, prices, inst, stamps, train_local = [], [], [], [], [], [], []
     segments = {s: [] for s in SPLITS}
     starts = {s: [] for s in SPLITS}
+    longest = dict.fromkeys(SPLITS, 0)  # bars of the longest instrument in each window
     offset = 0
     for i, ins in enumerate(market.instruments):
         keep = slice(WARMUP, None)
@@ -539,7 +627,9 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
                                 for a in (ins.open, ins.high, ins.low, ins.close)]))
         inst.append(np.full(rows, i, np.int32))
         stamps.append(np.asarray(ins.timestamps)[keep].astype("datetime64[ns]"))
-        bounds = split_bounds(rows, splits)
+        for name, (a, b) in zip(SPLITS, split_bounds(stamps[-1], dates)):
+            longest[name] = max(longest[name], b - a + 1)
+        bounds = split_bounds(stamps[-1], dates, min_rows=L + 1)
         train_local.append(bounds[0])
         for name, (a, b) in zip(SPLITS, bounds):
             segments[name].append((offset + a, offset + b))
@@ -550,11 +640,11 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
     seg = {k: np.asarray(v, np.int64).reshape(-1, 2) for k, v in segments.items()}
     for name in SPLITS:
         if not starts[name]:
-            longest = int(max((b - a + 1 for a, b in seg[name]), default=0))
             sources = ", ".join(sorted({ins.source for ins in market.instruments})) or "market"
-            raise DataError(sources, f"split '{name}' has no valid episode start: it needs "
-                            f"{L + 1} bars (episode_length + 1) in one instrument after the "
-                            f"{WARMUP}-bar warm-up, the longest has {longest}")
+            raise DataError(sources, f"split '{name}' ({window_text(dates, name)}) has no valid "
+                            f"episode start: it needs {L + 1} bars (episode_length + 1) of one "
+                            f"instrument in that window after the {WARMUP}-bar warm-up, the "
+                            f"longest has {longest[name]}")
     for ins, x in zip(market.instruments, raw):
         if not np.all(np.isfinite(x)):
             row, col = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
@@ -583,11 +673,13 @@ def build_tables(market: MarketData, splits=(0.7, 0.15, 0.15), episode_length: i
         bar_seconds=float(market.bar_seconds),
         bars_per_year=float(market.bars_per_year),
         episode_length=L,
+        split_dates=dates,
     )
 
 
 __all__ = ["MarketTables", "Feature", "LookAheadError", "build_tables", "normalize",
            "instrument_features", "builtin_columns", "register", "unregister", "registered",
            "feature", "resolve_features", "check_no_lookahead", "random_bars", "rolling_sigma",
-           "log_returns", "split_bounds", "tables_peak_bytes", "DEFAULT_FEATURES", "MAX_WINDOW",
-           "WARMUP", "SPLITS"]
+           "log_returns", "split_bounds", "split_boundaries", "parse_split_dates", "SplitDates",
+           "window_text",
+           "tables_peak_bytes", "DEFAULT_FEATURES", "MAX_WINDOW", "WARMUP", "SPLITS"]

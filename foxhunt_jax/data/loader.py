@@ -44,7 +44,7 @@ import pandas as pd
 from foxhunt_jax.config import SyntheticConfig, from_dict, to_dict
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem, require_memory
-from foxhunt_jax.data.features import tables_peak_bytes
+from foxhunt_jax.data.features import SplitDates, split_bounds, tables_peak_bytes
 from foxhunt_jax.data.market import (
     MARKET_BYTES_PER_BAR,
     WARMUP_BARS,
@@ -93,11 +93,14 @@ _DATE_FORMATS_TEXT = ", ".join(name for name, _ in _DATE_FAMILIES)
 _NS_MIN, _NS_MAX = np.datetime64("1677-09-22", "s"), np.datetime64("2262-04-11", "s")
 
 
-def split_counts(n: int, splits: Sequence[float] = DEFAULT_SPLITS) -> tuple[int, int, int]:
-    """Usable bars of each split of an instrument with ``n`` bars: the first ``WARMUP_BARS``
-    feed the features' history, the rest are split by time exactly as training splits them
-    (:func:`foxhunt_jax.data.market.split_sizes`)."""
-    return split_sizes(max(n - WARMUP_BARS, 0), splits)
+def split_counts(timestamps: np.ndarray, dates: SplitDates) -> tuple[int, int, int]:
+    """Tradable bars of one instrument (``timestamps`` [n], sorted) in the train, validation
+    and test windows of the calendar boundaries ``dates``: its first ``WARMUP_BARS`` feed the
+    features' history, the rest are cut exactly as training cuts them
+    (:func:`foxhunt_jax.data.features.split_bounds`; an instrument with fewer than
+    ``env.episode_length + 1`` bars in a window contributes none there)."""
+    bounds = split_bounds(np.asarray(timestamps)[WARMUP_BARS:], dates)
+    return tuple(b - a + 1 for a, b in bounds)  # type: ignore[return-value]
 
 
 def min_bars_needed(episode_bars: int = EPISODE_BARS,
@@ -105,7 +108,7 @@ def min_bars_needed(episode_bars: int = EPISODE_BARS,
     """Fewest bars an instrument needs: the feature warm-up, then one episode of
     ``episode_bars`` bars in each of train, validation and test."""
     n = WARMUP_BARS + 3 * episode_bars
-    while min(split_counts(n, splits)) < episode_bars:
+    while min(split_sizes(n - WARMUP_BARS, splits)) < episode_bars:
         n += 1
     return n
 

@@ -13,10 +13,12 @@ MARKET_BYTES_PER_BAR = 6 * 8  # an Instrument's timestamps and five float64 colu
 
 
 def split_sizes(rows: int, splits) -> tuple[int, int, int]:
-    """Rows of train / validation / test when ``rows`` usable rows are split by time.
+    """Counts of train / validation / test when ``rows`` items in time order are split by the
+    fractions ``splits``.
 
     ``train = round(rows * f0)``, ``validation`` ends at ``round(rows * (f0 + f1))``, test takes
-    the rest. The one definition of the split, used by features and by ``data check``.
+    the rest. Applied to the pooled distinct bar times of all instruments it gives the calendar
+    boundaries (:func:`foxhunt_jax.data.features.split_boundaries`).
     """
     b1 = int(round(rows * splits[0]))
     b2 = max(b1, min(int(round(rows * (splits[0] + splits[1]))), rows))

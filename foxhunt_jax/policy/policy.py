@@ -256,9 +256,18 @@ def config_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
-def restore_params(run_dir: Path, cfg: Config, learner: Learner) -> tuple[Any, int]:
-    """The network parameters of the run's latest checkpoint and its epoch, restored into an
-    abstract state of the run's config on this process's first device (no data is read)."""
+def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "last",
+                   warn=None) -> tuple[Any, int, str, str]:
+    """The network parameters of a run's agent, its epoch, which agent it is (``"selected"`` or
+    ``"last"``) and a note that names it in words, restored
+    into an abstract state of the run's config on this process's first device (no data is
+    read).
+
+    ``agent="last"``: the latest checkpoint's. ``"selected"``: the agent chosen on validation
+    that the latest checkpoint's state had selected (``DIR/selected/``,
+    :func:`~foxhunt_jax.training.checkpoint.restore_selected`; a damaged step is skipped with a
+    ``warn`` line); a run from before selection gives its last agent, and the note says so.
+    """
     step = checkpoint.latest_step(run_dir / "checkpoints")
     if step is None:
         raise ConfigError(f"{run_dir}/checkpoints holds no checkpoint")
@@ -282,7 +291,19 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner) -> tuple[Any, i
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=device), shape)
     state, meta = checkpoint.restore(run_dir / "checkpoints", step, target)
-    return state.agent.params, int(meta.get("epoch", step))
+    epoch = int(meta.get("epoch", step))
+    if agent == "last":
+        return state.agent.params, epoch, "last", f"last agent (epoch {epoch})"
+    found = checkpoint.restore_selected(run_dir / checkpoint.SELECTED_DIR, epoch,
+                                        state.agent.params, warn=warn or (lambda line: None))
+    if found is None:
+        return (state.agent.params, epoch, "last", f"selected agent requested; the run records "
+                f"none (it predates selection), so this is the last agent (epoch {epoch})")
+    params, selected, chosen = found
+    value = selected.get("value")
+    shown = "n/a" if value is None else f"{value:+.4g}"
+    return params, chosen, "selected", (f"selected agent (epoch {chosen} of {epoch}, validation "
+                            f"{selected.get('select_by')} {shown})")
 
 
 class Policy:
@@ -302,9 +323,9 @@ class Policy:
 
     @classmethod
     def load(cls, run_dir: str | Path, agent: str = "selected", warn=None) -> "Policy":
-        """The agent of a run directory. ``agent="last"``: the latest checkpoint;
-        ``"selected"``: the agent chosen on validation, which runs do not record yet, so it is
-        the latest checkpoint too (``agent_note`` says so)."""
+        """The agent of a run directory. ``agent="selected"``: the agent chosen on validation
+        (``train.select_by``; a run from before selection gives its last agent and
+        ``agent_note`` says so); ``"last"``: the latest checkpoint (:func:`restore_params`)."""
         run = Path(run_dir)
         if agent not in AGENTS:
             raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
@@ -313,12 +334,9 @@ class Policy:
         cfg = from_dict(read_yaml(run / "config.yaml"))
         learner = make_learner(cfg, cfg.env.branch_sizes)
         stats = spec.run_statistics(run, cfg, warn)
-        params, epoch = restore_params(run, cfg, learner)
-        note = (f"last agent (epoch {epoch})" if agent == "last" else
-                f"selected agent requested; runs do not record a validation-selected agent "
-                f"yet, so this is the last agent (epoch {epoch})")
+        params, epoch, which, note = restore_params(run, cfg, learner, agent, warn)
         core = Core(learner=learner, env_cfg=cfg.env, backend=resolve(cfg.network))
-        return cls(core, params, cfg, stats, run, epoch, "last", note)
+        return cls(core, params, cfg, stats, run, epoch, which, note)
 
     # --- bars -> inputs ------------------------------------------------------------------
 

@@ -14,7 +14,11 @@ A checkpoint of step ``s`` is the orbax directory ``ckpt_dir/<s>/`` with three i
   and offset), checked against the restore target so a checkpoint of another configuration
   fails with one line naming the first leaf that differs. Checkpoints written before packing
   (no ``packs`` in the layout) restore leaf by leaf, as before.
-* ``metadata`` (JSON): the caller's dict (epoch, config, ...).
+* ``metadata`` (JSON): the caller's dict (epoch, config, the selection, ...).
+
+A run folder holds two such folders: ``checkpoints/`` (the whole trainer state) and
+``selected/``, whose step ``e`` holds the network parameters of the agent selected at epoch
+``e`` (:func:`restore_selected` says which step a state at a given epoch uses).
 
 orbax writes a step into a temporary directory and renames it when complete; a step whose save
 was interrupted is never listed by :func:`latest_step` and its leftovers are removed by the next
@@ -46,6 +50,7 @@ from foxhunt_jax.errors import FoxhuntError, NonFiniteError
 from foxhunt_jax.training.rundir import to_jsonable
 
 KEEP = 2
+SELECTED_DIR = "selected"  # the run folder's checkpoints of the selected agent's parameters
 DIGESTS_FILE = "digests.json"
 
 
@@ -271,6 +276,20 @@ def save(ckpt_dir: str | os.PathLike, step: int, state: Any, metadata: dict,
     return step_dir
 
 
+def drop_after(ckpt_dir: str | os.PathLike, step: int) -> list[int]:
+    """Deletes the complete steps after ``step`` (what a resume's or a fresh start's run
+    will write again); returns them. Every process calls it, as :func:`save`."""
+    later = [s for s in all_steps(ckpt_dir) if s > step]
+    if later:
+        mgr = _manager(ckpt_dir)
+        try:
+            for s in later:
+                mgr.delete(s)
+        finally:
+            mgr.close()
+    return later
+
+
 # ---------------------------------------------------------------------------------------------
 # Integrity
 
@@ -385,6 +404,28 @@ def restore_latest(ckpt_dir: str | os.PathLike, target: Any,
                        "are damaged)")
 
 
+def restore_selected(selected_dir: str | os.PathLike, epoch: int, target: Any,
+                     warn=lambda line: None) -> tuple[Any, dict, int] | None:
+    """The selected agent of a run whose state is at ``epoch``: the newest intact step of
+    ``selected_dir`` at or before ``epoch`` (later steps were selected after that state, by a
+    run killed before its next checkpoint). A damaged step is skipped with one ``warn`` line and
+    the selection before it is used. Returns ``(params, metadata, step)``, None when there is
+    no step (a run from before selection); FoxhuntError when every step is damaged."""
+    steps = [s for s in all_steps(selected_dir) if s <= epoch]
+    if not steps:
+        return None
+    for step in reversed(steps):
+        try:
+            params, meta = restore(selected_dir, step, target)
+        except DamagedCheckpoint as e:
+            warn(f"warning: {e}; skipped, the agent selected before it is used")
+            continue
+        return params, meta, step
+    raise FoxhuntError(f"no intact selected agent in {selected_dir} (steps "
+                       f"{', '.join(map(str, steps))} are damaged); --agent last uses the last "
+                       "checkpoint")
+
+
 def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any) -> tuple[Any, dict]:
     import orbax.checkpoint as ocp
 
@@ -463,5 +504,6 @@ def assert_finite(tree: Any, what: str, epoch: int) -> None:
     raise NonFiniteError(f"epoch {epoch}: {what} {verb} {kind} (leaf '{path_str(path)}')")
 
 
-__all__ = ["save", "restore", "restore_latest", "verify", "DamagedCheckpoint", "latest_step",
+__all__ = ["save", "restore", "restore_latest", "restore_selected", "drop_after",
+           "SELECTED_DIR", "verify", "DamagedCheckpoint", "latest_step",
            "all_steps", "assert_finite", "path_str", "KEEP"]

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner
@@ -159,6 +160,9 @@ class EpochResults(NamedTuple):
     training_metrics: dict  # phases.training's metrics
     validation_paths: dict  # [L, W] equity, exposure, traded, fills, turnover
     validation_loss: jax.Array  # []
+    # a copy of the validated agent's network parameters (replicated like the agent): the
+    # state's own are donated to the next epoch, queued or not
+    validated_params: Any
 
 
 class Pipeline:
@@ -170,6 +174,8 @@ class Pipeline:
         self.inputs = inputs
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
+        # no donation: XLA writes the copy into new buffers
+        self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
     @property
     def pairs_rollouts(self) -> bool:
@@ -258,6 +264,7 @@ class Pipeline:
             state, experience, training = self._queue_experience_and_training(state)
 
         inputs, next_epoch = self.inputs, None
+        validated_params = self._copy(state.agent.params)  # queued before anything donates them
         if queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
             paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
@@ -281,7 +288,8 @@ class Pipeline:
         phase_ms = {"experience": (experience_end - start) * 1e3,
                     "training": (training_end - experience_end) * 1e3,
                     "validation": (validation_end - training_end) * 1e3}
-        results = EpochResults(experience.results, training.results, paths, loss)
+        results = EpochResults(experience.results, training.results, paths, loss,
+                               validated_params)
         return state, results, phase_ms
 
     def _queue_experience_and_training(self, state: TrainerState

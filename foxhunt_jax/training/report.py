@@ -9,7 +9,8 @@ Files written under ``out_dir/report/``:
   table's figures of its curve), their drawdowns (middle) and the agent's net exposure
   (bottom).
 * ``training.png``: loss, epsilon, validation Sharpe and validation total return by epoch, read
-  from the epoch records of metrics.jsonl.
+  from the epoch records of metrics.jsonl; the last record's ``selected_epoch`` (the agent chosen
+  on validation) is marked in every panel with a dashed line.
 * ``phases.png``: time per phase per epoch as stacked bars, with one-off costs (init, compile) in
   a separate panel so they do not squash the per-epoch bars.
 
@@ -193,8 +194,28 @@ def plot_training(path: str | os.PathLike, records: Sequence[Mapping]) -> Path:
     return _save(training_figure(records), Path(path))
 
 
+def _mark_selected(axes, records: Sequence[Mapping]) -> None:
+    """A dashed vertical line at the last record's ``selected_epoch`` in each panel with data,
+    and a ring on the agent's validation curves there."""
+    last = next((r for r in reversed(records) if r.get("selected_epoch")), None)
+    if last is None:
+        return
+    epoch, metric = int(last["selected_epoch"]), last.get("select_metric", "")
+    for ax in axes:
+        if ax.get_lines():
+            ax.axvline(epoch, color="black", lw=1.0, ls="--", alpha=0.7,
+                       label=f"selected: epoch {epoch} (validation {metric})")
+            ax.legend(fontsize=8, loc="best")
+    for ax, key in ((axes[2], "val/sharpe"), (axes[3], "val/total_return")):
+        ep, v = _series(records, key)
+        at = np.flatnonzero(ep == epoch)
+        if at.size:
+            ax.plot(ep[at], v[at], marker="o", ms=9, mfc="none", mec="black", ls="none")
+
+
 def training_figure(records: Sequence[Mapping]) -> Figure:
-    """2x2 panels by epoch: losses, epsilon, validation Sharpe, validation total return."""
+    """2x2 panels by epoch: losses, epsilon, validation Sharpe, validation total return; the
+    selected epoch marked (:func:`_mark_selected`)."""
     fig = Figure(figsize=(11, 7.5))
     (a_loss, a_eps), (a_sharpe, a_ret) = fig.subplots(2, 2)
     drawn = False
@@ -231,6 +252,7 @@ def training_figure(records: Sequence[Mapping]) -> Figure:
     _policy_panel(a_ret, records, "total_return", "validation total return (mean over windows)",
                   percent=True)
     a_ret.set_ylabel("total return")
+    _mark_selected((a_loss, a_eps, a_sharpe, a_ret), records)
     for ax in (a_loss, a_eps, a_sharpe, a_ret):
         ax.grid(alpha=0.3)
         if ax.get_lines():

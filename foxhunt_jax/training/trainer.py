@@ -61,6 +61,9 @@ class Trainer:
     init_ms: float = 0.0
     compile_ms: float = 0.0
     executables_loaded: int = 0  # programs the last compile() loaded from the executable cache
+    # the network parameters of the epoch run_epoch last reported (a copy, replicated on the
+    # mesh, that later epochs leave alone): what a selection keeps
+    validated_params: Any = None
     _validation_buy_and_hold: dict | None = None  # its metrics on the validation windows
 
     @classmethod
@@ -73,7 +76,8 @@ class Trainer:
         local = parallel.local_device(mesh)
         if market is None:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
-        tables = build_tables(market, cfg.data.splits, cfg.env.episode_length, cfg.data.features)
+        tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                              features=cfg.data.features, split_dates=cfg.data.split_dates)
         # Training runs on the whole mesh; validation (small) on this process's first device.
         env_params = {"train": parallel.put_replicated(
                           trading.make_params(tables, cfg.env, "train"), mesh),
@@ -163,7 +167,9 @@ class Trainer:
         phase_ms["init"], phase_ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0  # reported once
         phase_ms["total"] = sum(phase_ms.values())
-        return state, self._record(jax.device_get(results), phase_ms)
+        self.validated_params = results.validated_params  # stays on the devices
+        return state, self._record(jax.device_get(results._replace(validated_params=None)),
+                                   phase_ms)
 
     def _record(self, results: EpochResults, phase_ms: dict) -> dict:
         """The epoch's metrics record from its results, read to the host in one transfer."""

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from foxhunt_jax.cli import COMMANDS, human_duration, main
-from foxhunt_jax.data.loader import MIN_BARS, split_counts
+from foxhunt_jax.data.features import split_boundaries
+from foxhunt_jax.data.loader import MIN_BARS, load_market, split_counts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,14 +44,35 @@ def test_data_check_us_stocks(capsys):
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert set(rows) == {"AAPL", "IBM", "MSFT", "GOOG", "FB"}
-    for name, n in {"AAPL": 3270, "GOOG": 2148, "FB": 196}.items():
-        cells = rows[name]
-        assert cells[1] == "builtin:us_stocks_daily" and cells[2] == str(n)
+    market = load_market(["builtin:us_stocks_daily"])
+    dates = split_boundaries(market, (0.7, 0.15, 0.15))
+    for ins in market.instruments:
+        cells = rows[ins.name]
+        assert cells[1] == "builtin:us_stocks_daily" and cells[2] == str(len(ins))
         assert cells[5] == "1 day"
-        assert tuple(int(c) for c in cells[6:9]) == split_counts(n, (0.7, 0.15, 0.15))
+        assert tuple(int(c.rstrip("*")) for c in cells[6:9]) == split_counts(ins.timestamps,
+                                                                            dates)
     assert rows["AAPL"][3:5] == ["2000-03-01", "2013-03-01"]
     assert rows["GOOG"][3] == "2004-08-19"
+    # FB starts in 2012: no bar before the validation window, too few in it (a 100-step
+    # episode needs 101), all its other bars in the test window
+    assert rows["FB"][6:9] == ["0*", "0*", "132"]
     assert "5 instruments, 12154 bars" in out
+    assert ("train before 2009-05-06; validation from 2009-05-06 to before 2011-04-01; test "
+            "from 2011-04-01") in out
+
+
+def test_data_check_split_dates(capsys):
+    assert main(["data", "check", "builtin:us_stocks_daily", "--split-dates",
+                 "2010-01-01,2012-06-01", "--episode-length", "150"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows["AAPL"][6:9] == ["2411", "608", "187"]
+    assert rows["FB"][6:9] == ["0*", "0*", "132*"]  # 132 < 151
+    assert "test from 2012-06-01 (data.split_dates)" in out
+    assert main(["data", "check", "builtin:us_stocks_daily", "--split-dates",
+                 "2012-01-01,2010-01-01"]) == 2
+    assert "data.split_dates" in capsys.readouterr().err
 
 
 def test_data_check_eurusd_and_synthetic_with_splits(capsys):
@@ -60,10 +82,13 @@ def test_data_check_eurusd_and_synthetic_with_splits(capsys):
     rows = table_rows(capsys.readouterr().out)
     fx = rows["eurusd_hourly"]
     assert fx[2:6] == ["6225", "2017-01-01 22:00:00", "2017-12-29 21:00:00", "1 hour"]
-    assert tuple(int(c) for c in fx[6:9]) == split_counts(6225, (0.5, 0.25, 0.25))
+    # one calendar boundary for all: 6161 hourly 2017 times after warm-up and 236 daily ones of
+    # 2000-2001 (both SYN instruments on the same days) are 6397 distinct; train takes the first
+    # round(6397 * 0.5) = 3198: the 236 daily ones and 2962 hourly ones
+    assert fx[6:9] == ["2962", "1600", "1599"]
     assert set(rows) == {"eurusd_hourly", "SYN0", "SYN1"}
-    # 300 bars - 64 warm-up = 236 usable: 118 / 59 / 59
-    assert rows["SYN1"][2:] == ["300", "2000-01-03", "2001-02-23", "1 day", "118", "59", "59"]
+    # 300 bars - 64 warm-up = 236 daily bars, all before the validation window
+    assert rows["SYN1"][2:] == ["300", "2000-01-03", "2001-02-23", "1 day", "236", "0*", "0*"]
 
 
 def test_data_check_file_frequency_and_sort(tmp_path, capsys):

@@ -77,7 +77,8 @@ def _replay(policy, table: dict, first: int, steps: int, position=Position()):
 
 def test_step_replays_the_evaluation_walk_of_the_test_split(policy, market):
     cfg = policy.cfg
-    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
+                          features=cfg.data.features, split_dates=cfg.data.split_dates)
     env_params, starts, lengths = validate.evaluation_params(tables, cfg.env, "test")
     walk = validate.greedy_rollout(policy.core.learner, policy.core.backend, policy.params,
                                    env_params, jnp.asarray(starts), int(lengths.max()),
@@ -131,7 +132,9 @@ def test_act_at_a_bar_equals_the_stepwise_decision_there(policy, market, run_dir
 def test_act_prints_a_table_and_writes_the_json_keys(run_dir, tmp_path, capsys):
     assert main(["act", "--run", str(run_dir), "--json", str(tmp_path / "a.json")]) == 0
     text = capsys.readouterr().out
-    assert "AAPL" in text and "last agent" in text and "flat" in text
+    # the default agent is the one selected on validation (the run has one epoch)
+    assert "AAPL" in text and "selected agent (epoch 1 of 1, validation sharpe" in text
+    assert "flat" in text
     records = json.loads((tmp_path / "a.json").read_text())
     assert [r["instrument"] for r in records] == ["AAPL", "FB", "GOOG", "IBM", "MSFT"]
     for r in records:

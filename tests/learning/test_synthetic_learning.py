@@ -40,7 +40,8 @@ def reference_oracle_actions(last_log_return, exposures, take_profit, stop_loss)
 def trained():
     res = api.train(load_config("synthetic"), None, progress=False, log=lambda s: None,
                     final_report=False)
-    return res.trainer, res.state, res.trainer.evaluate_split(res.state.agent, "test")
+    # the agent selected on validation, as the report and evaluate use
+    return res.trainer, res.state, res.trainer.evaluate_split(res.selected_agent, "test")
 
 
 def test_agent_reaches_80_percent_of_oracle_test_sharpe(trained):

@@ -4,6 +4,7 @@ errors), and a tiny run on a chosen list with a user feature."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -44,9 +45,21 @@ from reference_env import random_market, replace_bars
 L = 20
 
 
+def end_together(market):
+    """The market with each instrument's daily bars moved to end on the same day, so that the
+    calendar windows cut every instrument (they all start on one day in ``random_market``)."""
+    n = max(len(ins) for ins in market.instruments)
+    moved = tuple(dataclasses.replace(ins, timestamps=ins.timestamps
+                                      + np.timedelta64(n - len(ins), "D"))
+                  for ins in market.instruments)
+    return dataclasses.replace(market, instruments=moved)
+
+
 @pytest.fixture(scope="module")
 def market():
-    return random_market(1, lengths=(420, 300, 90))
+    # 356, 236 and 26 tradable days, all ending on the same day: the calendar windows give
+    # R0 249 / 54 / 53 rows, R1 129 / 54 / 53 and R2 only 26 test rows
+    return end_together(random_market(1, lengths=(420, 300, 90)))
 
 
 @pytest.fixture(scope="module")
@@ -161,26 +174,39 @@ def test_sigma_floor():
 
 
 def test_splits_and_starts_are_exact(market, tables):
+    # the calendar rule by hand: the distinct tradable days of all instruments, cut at the
+    # 70% and 85% points; each bar goes to the window its day falls in
+    days = sorted({int(d) for ins in market.instruments
+                   for d in ins.timestamps[WARMUP:].astype("datetime64[D]").astype(np.int64)})
+    first_val, first_test = days[round(len(days) * 0.7)], days[round(len(days) * 0.85)]
     offset = 0
     for i, ins in enumerate(market.instruments):
-        rows = len(ins) - WARMUP
-        b1, b2 = round(rows * 0.7), round(rows * 0.85)
-        expect = [(offset, offset + b1 - 1), (offset + b1, offset + b2 - 1),
-                  (offset + b2, offset + rows - 1)]
-        got = [tuple(tables.segments[s][i]) for s in SPLITS]
-        assert got == expect
-        offset += rows
+        own = ins.timestamps[WARMUP:].astype("datetime64[D]").astype(np.int64)
+        rows = {"train": [r for r, d in enumerate(own) if d < first_val],
+                "validation": [r for r, d in enumerate(own) if first_val <= d < first_test],
+                "test": [r for r, d in enumerate(own) if d >= first_test]}
+        for s in SPLITS:
+            a, b = (int(x) - offset for x in tables.segments[s][i])
+            if len(rows[s]) >= L + 1:
+                assert list(range(a, b + 1)) == rows[s], (ins.name, s)
+            else:  # too few bars in the window: the instrument contributes none there
+                assert b == a - 1, (ins.name, s)
+        offset += len(own)
+    assert [tuple(int(x) for x in tables.segments["train"][2])] == [(592, 591)]
     for s in SPLITS:
         brute = [st for a, b in tables.segments[s] for st in range(a, b + 1) if st + L <= b]
         np.testing.assert_array_equal(tables.starts[s], brute)
-    # the short instrument (26 rows: 18 train rows) fits an episode of 20 steps in no split
-    assert not np.any(tables.instrument[np.concatenate(list(tables.starts.values()))] == 2)
+    # the short instrument (26 rows, all in the test window) trades only there
+    assert np.any(tables.instrument[tables.starts["test"]] == 2)
+    assert not np.any(tables.instrument[tables.starts["train"]] == 2)
     assert np.any(tables.instrument[tables.starts["validation"]] == 1)
+    assert str(tables.split_dates.validation_start)[:10] == str(np.datetime64(first_val, "D"))
 
 
 def test_split_without_start_raises():
     m = random_market(2, lengths=(300, 180))
-    with pytest.raises(DataError, match=r"split 'validation'.*needs 101 bars"):
+    with pytest.raises(DataError, match=r"split 'validation' \(from 2001-08-18 to before "
+                                        r"2001-09-23\).*needs 101 bars"):
         build_tables(m, episode_length=100)
     with pytest.raises(ConfigError, match="data.splits"):
         build_tables(m, splits=(0.5, 0.6, 0.1))
@@ -272,8 +298,10 @@ def test_real_us_stocks():
         st = t.starts[s]
         assert st.size > 0
         assert np.all(t.instrument[st] == t.instrument[st + 100])
-    # FB (132 rows after warm-up) only fits a 100-step episode in no split
-    assert not np.any(t.instrument[np.concatenate(list(t.starts.values()))] == 1)
+    # FB (132 rows after warm-up, from 2012-08) trades only in the test window (from 2011-04)
+    assert np.any(t.instrument[t.starts["test"]] == 1)
+    assert not np.any(t.instrument[np.concatenate([t.starts["train"], t.starts["validation"]])]
+                      == 1)
 
 
 def test_real_eurusd_hourly():

@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foxhunt_jax.config import SyntheticConfig
+from foxhunt_jax.data.features import SplitDates
+from foxhunt_jax.data.market import split_sizes
 from foxhunt_jax.data.loader import (
+    DEFAULT_SPLITS,
     MIN_BARS,
     WARMUP_BARS,
     load_market,
@@ -362,11 +365,15 @@ def test_short_instrument_in_multi_file_skipped_with_warning(tmp_path, capsys):
 def test_min_bars_rule():
     n = min_bars_needed()
     assert n == MIN_BARS
-    assert min(split_counts(n)) >= 2
-    assert min(split_counts(n - 1)) < 2
-    # the warm-up bars feed the features; the rest split by rounding, as build_tables splits
-    assert split_counts(3270, (0.7, 0.15, 0.15)) == (2244, 481, 481)
-    assert sum(split_counts(3270)) == 3270 - WARMUP_BARS
+    # one instrument alone fits a shortest episode in each split of the default fractions
+    assert min(split_sizes(n - WARMUP_BARS, DEFAULT_SPLITS)) >= 2
+    assert min(split_sizes(n - 1 - WARMUP_BARS, DEFAULT_SPLITS)) < 2
+    # the warm-up bars feed the features; the rest are cut at the calendar boundaries
+    stamps = np.arange(3270).astype("datetime64[D]").astype("datetime64[ns]")
+    dates = SplitDates(stamps[WARMUP_BARS + 2244], stamps[WARMUP_BARS + 2725], "test")
+    assert split_counts(stamps, dates) == (2244, 481, 481)
+    assert split_counts(stamps[2000:], dates) == (244, 481, 481)  # its warm-up ends later
+    assert sum(split_counts(stamps, dates)) == 3270 - WARMUP_BARS
 
 
 def test_unreadable_files(tmp_path):
