@@ -1,8 +1,12 @@
 """Library entry points: :func:`train` and :func:`evaluate` (the CLI is a thin layer over them).
 
     from foxhunt_jax import load_config, train, evaluate
-    result = train(load_config("smoke"), out_dir="runs/smoke")
+    result = train(load_config("smoke"), out_dir="runs/smoke",
+                   callbacks=[lambda record: print(record["epoch"], record["val"]["sharpe"])])
     report = evaluate("runs/smoke", split="test")
+
+Both turn on the same compilation caches as the CLI (``compile_cache=False`` leaves JAX's cache
+settings as they are) and print one line naming every file they wrote.
 """
 
 from __future__ import annotations
@@ -15,19 +19,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from foxhunt_jax import parallel
-from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
+from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_yaml, replace,
+                                to_dict)
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
+from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
-from foxhunt_jax.training import checkpoint, report
+from foxhunt_jax.training import checkpoint, metrics, report
 from foxhunt_jax.training.phases import TrainerState, all_finite
-from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
-                                         to_jsonable)
+from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder, open_run,
+                                         read_metrics, to_jsonable)
 from foxhunt_jax.training.trainer import Trainer
 
 
@@ -39,25 +45,38 @@ class TrainResult:
     summary: dict  # final validation/test metrics of agent, buy-and-hold and random
 
 
+EpochCallback = Callable[[dict], None]
+
+
 def phase_line(rec: dict, epochs: int) -> str:
-    """One epoch in the seed's phase form."""
+    """One epoch: phase times, loss, epsilon, validation against buy-and-hold. Init and Compile
+    are shown only on the epoch that paid them (they are 0 on the others)."""
     ms = rec["phase_ms"]
     val, bh = rec["val"], rec["val_buy_and_hold"]
     head = " | ".join(f"{k.capitalize()} {ms[k]:8.1f}" for k in
-                      ("init", "compile", "experience", "training", "validation", "total"))
+                      ("init", "compile", "experience", "training", "validation", "total")
+                      if k not in ("init", "compile") or ms[k] > 0)
     return (f"epoch {rec['epoch']:>3}/{epochs} | {head} ms | loss {rec['loss']:.4f} | "
             f"eps {rec['epsilon']:.2f} | val sharpe {val['sharpe']:+.2f} (B&H {bh['sharpe']:+.2f}) "
             f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
 
 
-def compile_line(rec: dict, trainer: Trainer) -> str:
+def compile_line(trainer: Trainer) -> str:
     """How the phase programs were obtained: compiled, or loaded from the executable cache."""
-    ms, loaded = rec["phase_ms"], trainer.executables_loaded
+    loaded = trainer.executables_loaded
     how = (f"{loaded} of {len(trainer.pipeline.programs)} loaded from the executable cache"
            if loaded
            else "compiled; none was in the executable cache")
-    return (f"phase programs ready in {ms['compile'] / 1e3:.1f} s ({how}); state init "
-            f"{ms['init'] / 1e3:.1f} s")
+    return (f"phase programs ready in {trainer.compile_ms / 1e3:.1f} s ({how}); state init "
+            f"{trainer.init_ms / 1e3:.1f} s")
+
+
+def use_compile_cache(enabled: bool) -> None:
+    """The CLI's caches (:func:`~foxhunt_jax.jitcache.enable_compilation_cache`: JAX's persistent
+    cache and the executable cache, in ``$FOXHUNT_JAX_CACHE`` or ``~/.cache/foxhunt-jax/xla``)
+    unless ``enabled`` is False or this process already chose a JAX compilation cache folder."""
+    if enabled and not jax.config.jax_compilation_cache_dir:
+        enable_compilation_cache()
 
 
 def _check_finite(state: TrainerState, rec: dict) -> None:
@@ -85,8 +104,20 @@ def _metadata(cfg: Config, epoch: int) -> dict:
 
 def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = False,
           progress: bool | None = None, log: Callable[[str], None] | None = None,
-          final_report: bool = True, devices: list | None = None) -> TrainResult:
+          callbacks: Sequence[EpochCallback] = (), log_to: Sequence[str] = LOG_WRITERS,
+          compile_cache: bool = True, final_report: bool = True,
+          devices: list | None = None) -> TrainResult:
     """Trains for ``cfg.train.epochs`` epochs; with ``out_dir`` writes the run directory.
+
+    ``callbacks``: each is called on process 0 after every epoch (once its checkpoint, if any,
+    is saved) as ``callback(record)`` with the epoch's record, the dict written as one line of
+    ``metrics.jsonl`` (JSON types; nested: ``record["val"]["sharpe"]``;
+    :func:`foxhunt_jax.training.rundir.flatten` gives the TensorBoard names such as
+    ``"val/sharpe"``). An exception in a callback stops the run with the epoch recorded.
+    ``log_to``: the run folder's writers, from ``("jsonl", "tensorboard")``; ``metrics.jsonl``
+    is written whatever it says (resume and the report read it), so it chooses whether
+    TensorBoard event files are written too. ``compile_cache``: :func:`use_compile_cache`.
+    ``log``: where the text lines go (default: print on process 0).
 
     ``out_dir`` is checked, marked and locked first (:func:`foxhunt_jax.training.rundir.open_run`):
     a file, a folder that cannot be written, a non-empty folder that holds no run, a fresh start
@@ -107,6 +138,10 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     log = log or ((lambda s: print(s, flush=True)) if lead else (lambda s: None))
     if not lead:
         progress = False
+    unknown = sorted(set(log_to) - set(LOG_WRITERS))
+    if unknown:
+        raise ConfigError(f"--log: unknown writer {', '.join(unknown)} (known: "
+                          f"{', '.join(LOG_WRITERS)})")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ConfigError("--resume needs the run folder (--out)")
@@ -117,16 +152,20 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
             check_run_folder(out, resume)
         if resume:
             saved = from_dict(read_yaml(out / "config.yaml"))
-            if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
-                raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
-                                  "(only train.epochs may change)")
-        writer = open_run(out, dump_yaml(cfg), resume=resume,
+            changed = differences(replace(saved, train={"epochs": cfg.train.epochs}), cfg)
+            if changed:
+                keys = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, a, b in changed)
+                raise ConfigError(f"--resume: the config differs from {out}/config.yaml ({keys}); "
+                                  "only train.epochs may change")
+        writer = open_run(out, dump_yaml(cfg), resume=resume, tensorboard="tensorboard" in log_to,
                           process_index=jax.process_index(), warn=_warn if lead else None)
     else:
         writer = None
+    use_compile_cache(compile_cache)
     try:
         return _train(cfg, out, writer, resume=resume, progress=progress, log=log,
-                      final_report=final_report, devices=devices)
+                      callbacks=tuple(callbacks) if lead else (), final_report=final_report,
+                      devices=devices)
     except BaseException:
         if writer is not None:  # a start that failed before its first epoch leaves nothing
             writer.discard_if_unused()
@@ -141,7 +180,8 @@ def _warn(line: str) -> None:
 
 
 def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
-           progress: bool | None, log: Callable[[str], None], final_report: bool,
+           progress: bool | None, log: Callable[[str], None],
+           callbacks: tuple[EpochCallback, ...], final_report: bool,
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     trainer = Trainer.build(cfg, devices=devices)
@@ -158,19 +198,27 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     history = read_metrics(out) if (resume and out is not None) else []
 
     epochs = cfg.train.epochs
-    bar = _progress(progress, epochs, int(state.epoch))
     epoch = int(state.epoch)
+
+    def queue_after(epoch: int) -> tuple[bool, bool]:
+        """(save, queue_next) of the epoch after ``epoch``: queue the next epoch's Experience
+        and Training behind it (their launches then overlap GPU work) unless its state is to
+        be checkpointed."""
+        save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
+                                    or epoch + 1 == epochs)
+        return save, epoch + 1 < epochs and not save
+
+    if epoch < epochs:
+        log("compiling the phase programs (or loading them from the executable cache) ...")
+        trainer.compile(state, queued=queue_after(epoch)[1])
+        log(compile_line(trainer))
+    bar = _progress(progress, epochs, epoch)
     try:
         while epoch < epochs:
-            # Queue the next epoch's Experience and Training behind this epoch (their launches
-            # then overlap GPU work) unless this epoch's state is to be checkpointed.
-            save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
-                                        or epoch + 1 == epochs)
-            state, rec = trainer.run_epoch(state, queue_next=epoch + 1 < epochs and not save)
+            save, queue_next = queue_after(epoch)
+            state, rec = trainer.run_epoch(state, queue_next=queue_next)
             epoch = rec["epoch"]
             _check_finite(state, rec)
-            if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
-                (bar.console.print if bar else log)(compile_line(rec, trainer))
             history.append(rec)
             if writer is not None:
                 writer.log(rec)
@@ -180,15 +228,31 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
                 # every process calls save: orbax synchronizes them and process 0 writes
                 checkpoint.save(out / "checkpoints", rec["epoch"], state,
                                 _metadata(cfg, rec["epoch"]))
+            if callbacks:
+                record = to_jsonable(rec)  # the metrics.jsonl line
+                for callback in callbacks:
+                    callback(record)
             if bar:
                 bar.advance(bar.task_ids[0])
     finally:
         if bar:
             bar.stop()
-    summary = {}
+    summary, written = {}, []
     if final_report:
-        summary = _final_report(trainer, state, history, out, log)
+        summary, written = _final_report(trainer, state, history, out, log)
+    if out is not None and jax.process_index() == 0:
+        log(wrote_line(out, written, tensorboard=writer is not None and writer.tensorboard))
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary)
+
+
+def wrote_line(out: Path, report_files: Sequence[Path], tensorboard: bool) -> str:
+    """The last line of a run: every file and folder it wrote in ``out``."""
+    steps = checkpoint.latest_step(out / "checkpoints")
+    parts = ["config.yaml", "normalization.json", "metrics.jsonl",
+             f"checkpoints/ (latest epoch {steps})"]
+    parts += ["tb/ (TensorBoard events)"] if tensorboard else []
+    parts += [str(Path(p).relative_to(out)) for p in report_files]
+    return f"wrote {out}: " + ", ".join(parts)
 
 
 def _progress(enabled: bool | None, total: int, done: int):
@@ -205,20 +269,31 @@ def _progress(enabled: bool | None, total: int, done: int):
 
 
 def _final_report(trainer: Trainer, state: TrainerState, history: list[dict], out: Path | None,
-                  log) -> dict:
+                  log) -> tuple[dict, list[Path]]:
+    """Final walks of the validation and test splits; the report files written (process 0)."""
     summary: dict[str, Any] = {"epochs": int(state.epoch),
                                "bars_per_year": trainer.market.bars_per_year}
     curves = {}
     # Every process evaluates a local copy of the (replicated) agent on its own default device.
     agent = parallel.to_host(state.agent)
     for split in ("validation", "test"):
+        log(f"final walk of the {split} split (agent, baselines) ...")
         res = trainer.evaluate_split(agent, split)
         summary[split] = {name: r["metrics"] for name, r in res.items()}
         curves[split] = {name: r["curve"] for name, r in res.items()}
+        curves[split]["timestamps"] = curve_dates(trainer, split, len(res["agent"]["curve"]))
         log(report.metrics_table(summary[split], title=f"{split} split (full walk)"))
     if out is not None and jax.process_index() == 0:
-        report.write_report(out, summary, curves, history)
-    return summary
+        return summary, report.write_report(out, summary, curves, history)
+    return summary, []
+
+
+def curve_dates(trainer: Trainer, split: str, points: int) -> np.ndarray:
+    """The dates of the ``points`` points of a split's mean equity curve: those of its longest
+    instrument (point 0 is its first bar's close, point k the close k bars later)."""
+    seg = trainer.tables.segments[split]
+    first = int(seg[int(np.argmax(seg[:, 1] - seg[:, 0])), 0])
+    return trainer.tables.timestamps[first:first + points]
 
 
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:

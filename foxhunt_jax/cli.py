@@ -225,6 +225,10 @@ def _args_train(p: argparse.ArgumentParser) -> None:
                         "runs/<config>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint in --out")
+    p.add_argument("--log", metavar="WRITERS", default="jsonl,tensorboard",
+                   help="comma-separated epoch-record writers: jsonl (metrics.jsonl, always "
+                        "written: resume and the report read it) and tensorboard (tb/ event "
+                        "files); --log jsonl writes no event files")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (without a terminal there is none anyway)")
     g = p.add_argument_group(
@@ -262,9 +266,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from foxhunt_jax import api
     from foxhunt_jax.config import load_config
-    from foxhunt_jax.jitcache import enable_compilation_cache
 
-    enable_compilation_cache()
     overrides = list(args.overrides)
     if args.data:
         overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
@@ -274,12 +276,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.yaml"
         config = str(saved) if args.resume and saved.is_file() else "default"
     cfg = load_config(config, overrides)
-    # api.train checks, marks and locks --out before it loads data or compiles
-    api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
-    import jax
-
-    if jax.process_index() == 0:
-        print(f"run directory: {out} (report in {out / 'report'})")
+    writers = tuple(w.strip() for w in args.log.split(",") if w.strip())
+    # api.train turns the compilation caches on, checks, marks and locks --out before it loads
+    # data or compiles, and ends with a line naming what it wrote
+    api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None,
+              log_to=writers)
     return 0
 
 
