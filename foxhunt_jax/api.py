@@ -30,10 +30,11 @@ from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
-from foxhunt_jax.training import checkpoint, metrics, report
+from foxhunt_jax.training import checkpoint, report, validate
 from foxhunt_jax.training.phases import TrainerState, all_finite
 from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder, open_run,
                                          read_metrics, to_jsonable)
+from foxhunt_jax.training.trades import walk_trades, write_trades_csv
 from foxhunt_jax.training.trainer import Trainer
 
 
@@ -329,33 +330,49 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
 
 
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
-             log: Callable[[str], None] | None = None) -> dict:
+             log: Callable[[str], None] | None = None, compile_cache: bool = True) -> dict:
     """Greedy full-split evaluation of a trained run against buy-and-hold and random.
 
     ``data`` evaluates the trained agent on other market data (same features and config).
-    Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data),
-    names it in a line, and returns the metrics by policy.
+    Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data)
+    and beside it, with the same name: ``.png``, the equity and drawdown of every policy (mean
+    over instruments, dated by the split's longest instrument), and ``_trades.csv``, the
+    agent's trades (:func:`foxhunt_jax.training.metrics.trade_log`); names them in a line and
+    returns the metrics by policy. ``compile_cache``: :func:`use_compile_cache`.
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
     log = log or print
+    use_compile_cache(compile_cache)
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
+    log(f"walking the {split} split greedily (agent, baselines) ...")
     res = trainer.evaluate_split(parallel.to_host(state.agent), split)
     metrics = {name: r["metrics"] for name, r in res.items()}
     log(report.metrics_table(metrics, title=f"{split} split (full walk)"))
     run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
     path = evaluation_path(run_dir, split, data, run_data)
+    params, starts, lengths = validate.evaluation_params(trainer.tables, trainer.cfg.env, split)
+    trades = walk_trades(params, starts, lengths, res["agent"]["paths"]["action"],
+                         trainer.tables, trainer.cfg)
     payload = {"split": split, "data": data or list(trainer.cfg.data.source),
                "seconds": time.perf_counter() - t0, "metrics": metrics}
+    curves = {name: r["curve"] for name, r in res.items()}
+    dates = curve_dates(trainer, split, len(curves["agent"]))
+    written = []
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(to_jsonable(payload), indent=2))
         os.replace(tmp, path)
+        written.append(path)
+        written.append(report.plot_equity(path.with_suffix(".png"), curves,
+                                          f"Equity on the {split} split", timestamps=dates))
+        written.append(write_trades_csv(path.with_name(path.stem + "_trades.csv"), trades))
     except OSError as e:
-        raise FoxhuntError(f"cannot write {path} ({(e.strerror or str(e)).lower()})") from None
-    log(f"evaluation written to {path}")
+        raise FoxhuntError(f"cannot write {e.filename or path} "
+                           f"({(e.strerror or str(e)).lower()})") from None
+    log(f"wrote {', '.join(map(str, written))} ({len(trades)} trades)")
     return metrics
 
 

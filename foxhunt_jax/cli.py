@@ -296,10 +296,8 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from foxhunt_jax import api
-    from foxhunt_jax.jitcache import enable_compilation_cache
 
-    enable_compilation_cache()
-    api.evaluate(args.run, split=args.split, data=args.data)
+    api.evaluate(args.run, split=args.split, data=args.data)  # turns the compile cache on
     return 0
 
 

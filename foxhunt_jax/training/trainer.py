@@ -197,7 +197,9 @@ class Trainer:
         return dict(self._validation_buy_and_hold)
 
     def evaluate_split(self, agent: AgentState, split: str, seed: int = 0) -> dict:
-        """Full-split greedy evaluation vs buy-and-hold and random: metrics and mean equity curves.
+        """Full-split greedy evaluation vs buy-and-hold and random: metrics, mean equity curves
+        and the paths (``equity [W, L+1]``, ``exposure``, ``traded``; the walked policies also
+        ``action [W, L, B]``, one walk per instrument of the split with a bar in it).
 
         On ``builtin:synthetic`` data an ``oracle`` row (the policy that trades the planted
         signal, :func:`validate.oracle_policy`) is added. Curves are the mean over instruments
@@ -228,7 +230,9 @@ class Trainer:
             # length and the argument shapes: the executable cache can serve it
             compiled, _ = compile_cached(jit(fn), args, name=f"evaluate_{name}",
                                          config={"config": self.cfg, "steps": steps})
-            return validate.equity_paths(compiled(*args))
+            traj = compiled(*args)
+            return dict(validate.equity_paths(traj),
+                        action=np.swapaxes(np.asarray(traj["action"]), 0, 1))
 
         paths = {"agent": walk_with("agent", run_greedy, split_params, agent.params,
                                     jax.random.key(seed), *walk)}
@@ -239,5 +243,5 @@ class Trainer:
                                                             self.cfg.env.cost_bps / 1e4)
         paths["random"] = walk_with("random", run_random, split_params,
                                     jax.random.key(seed + 1), *walk)
-        return {name: {"metrics": self._metrics(p), "curve": np.nanmean(p["equity"], axis=0)}
-                for name, p in paths.items()}
+        return {name: {"metrics": self._metrics(p), "curve": np.nanmean(p["equity"], axis=0),
+                       "paths": p} for name, p in paths.items()}
