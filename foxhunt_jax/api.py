@@ -356,6 +356,8 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     trades = walk_trades(params, starts, lengths, res["agent"]["paths"]["action"],
                          trainer.tables, trainer.cfg)
     payload = {"split": split, "data": data or list(trainer.cfg.data.source),
+               "instruments": [trainer.tables.instrument_names[int(trainer.tables.instrument[s])]
+                               for s in starts],
                "seconds": time.perf_counter() - t0, "metrics": metrics}
     curves = {name: r["curve"] for name, r in res.items()}
     dates = curve_dates(trainer, split, len(curves["agent"]))
