@@ -1,0 +1,179 @@
+"""Discoverability and output: config meanings, `config show/keys`, help defaults, resume errors
+that name keys, callbacks and writers of the library, the compile cache, evaluate's trade log,
+and the README's command-line block run end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from foxhunt_jax import api
+from foxhunt_jax.cli import COMMANDS, DefaultsHelpFormatter, build_parser, main
+from foxhunt_jax.config import (Config, EnvConfig, keys, load_config, show_yaml, to_dict)
+from foxhunt_jax.data.features import MarketTables
+from foxhunt_jax.env import trading
+from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.training.rundir import flatten, read_metrics
+from foxhunt_jax.training.trades import walk_trades
+
+ROOT = Path(__file__).resolve().parent.parent
+# configs/smoke.yaml's sizes, for commands that start from another config
+SMOKE_SIZES = ["env.episode_length=20", "network.trunk=[64,64]", "network.head=32",
+               "replay.capacity=4096", "train.num_episodes=32", "train.train_steps=10",
+               "train.batch_size=32", "train.validation_windows=16",
+               "train.epsilon_decay_epochs=2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: meanings, show, keys
+
+
+def test_every_key_has_a_one_line_meaning_and_show_reads_back_as_the_config():
+    listed = [k.key for k in keys()]
+    assert listed == [k.replace("/", ".") for k in flatten(to_dict(Config()))]
+    for k in keys():
+        assert k.meaning and "\n" not in k.meaning and len(k.meaning) < 120, k
+    cfg = load_config("smoke", ["env.take_profit=[]", "train.epochs=7"])
+    text = show_yaml(cfg)
+    assert yaml.safe_load(text) == to_dict(cfg)
+    epochs = next(k for k in keys() if k.key == "train.epochs")
+    assert f"  epochs: 7  # {epochs.meaning} (default 30)" in text.splitlines()
+    assert "  take_profit: []  # " in text and "(default [1.0, 2.0, 3.0])" in text
+
+
+def test_config_show_and_keys_commands(tmp_path, capsys):
+    args = ["--config", "smoke", "--set", "train.epochs=7"]
+    assert main(["config", "show", *args]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out) == to_dict(load_config("smoke", ["train.epochs=7"]))
+    assert out.splitlines()[-1].startswith("# written to stdout")
+
+    target = tmp_path / "resolved.yaml"
+    assert main(["config", "show", *args, "--out", str(target)]) == 0
+    assert f"config written to {target}" in capsys.readouterr().out
+    before = target.read_text()
+    assert main(["config", "show", "--out", str(target)]) == 2  # never replaces a file
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out") and target.read_text() == before
+    assert load_config(target) == load_config("smoke", ["train.epochs=7"])
+
+    assert main(["config", "keys"]) == 0
+    out = capsys.readouterr().out
+    for k in keys():
+        assert re.search(rf"^{re.escape(k.key)}\s+{re.escape(k.type)}\s+.*{re.escape(k.meaning)}$",
+                         out, re.M), k.key
+
+
+def test_every_option_of_every_command_has_help_that_states_its_default():
+    parser = build_parser()
+    sub = {a.dest: a for a in parser._actions if a.dest == "command"}["command"].choices
+    missing = []
+    for cmd in COMMANDS:
+        if cmd.path == ("bench",):
+            continue  # foxhunt_jax/bench states its own defaults, tested with it
+        p = sub[cmd.path[0]]
+        for name in cmd.path[1:]:
+            p = next(a for a in p._actions if a.dest.endswith("_command")).choices[name]
+        for action in p._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            shown = DefaultsHelpFormatter("x")._get_help_string(action) or ""
+            if not shown or not (action.required or action.nargs == 0
+                                 or "default" in shown.lower()):
+                missing.append(f"{' '.join(cmd.path)} {action.option_strings[0]}")
+    assert not missing, missing
+    assert "(default: test)" in " ".join(sub["evaluate"].format_help().split())
+
+
+# ---------------------------------------------------------------------------------------------
+# Trade log
+
+
+def _tables(open_, high, low, close, sigma) -> MarketTables:
+    t = len(close)
+    arr = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    seg = np.array([[0, t - 1]], np.int64)
+    return MarketTables(
+        features=np.zeros((t, 2), np.float32), open=arr(open_), high=arr(high), low=arr(low),
+        close=arr(close), sigma=arr(sigma), last_log_return=np.zeros(t, np.float32),
+        instrument=np.zeros(t, np.int32),
+        timestamps=np.arange(t).astype("datetime64[D]").astype("datetime64[ns]"),
+        segments={s: seg for s in ("train", "validation", "test")},
+        starts={s: np.arange(t - 3, dtype=np.int32) for s in ("train", "validation", "test")},
+        feature_names=("a", "b"), norm_mean=np.zeros(2, np.float32),
+        norm_std=np.ones(2, np.float32), instrument_names=("X",), bar_seconds=86400.0,
+        bars_per_year=252.0, episode_length=3)
+
+
+def test_trade_log_of_a_hand_checked_walk():
+    close = [100.0, 102.0, 101.0, 105.0, 104.0, 105.0, 103.0, 103.0]
+    open_, high, low = list(close), list(close), list(close)
+    open_[5], high[5], low[5] = 104.5, 106.0, 104.0  # bar 5 reaches the take-profit 105.04
+    sigma = [0.1, 0.1, 0.1, 0.1, 0.01, 0.1, 0.1, 0.1]  # far barriers but after bar 4
+    tables = _tables(open_, high, low, close, sigma)
+    cfg = EnvConfig(cost_bps=10.0)  # exposures -1, -0.5, 0, 0.5, 1; TP/SL at 1, 2, 3 sigma
+    params = trading.make_params(tables, cfg, "test")
+    actions = np.array([[[4, 2, 2], [4, 2, 2], [1, 2, 2], [2, 2, 2], [4, 0, 0],
+                         [0, 2, 2]]], np.int32)  # long, hold, short half, flat, long TP, short
+    trades = walk_trades(params, np.array([0]), np.array([6]), actions, tables, cfg)
+
+    rate, day = 1e-3, lambda i: np.datetime64(i, "D")  # noqa: E731
+    # by hand, in float64: a long of 1 at 100 (equity 1), cut to a short of 0.5 at 101
+    units1 = 1 / 100
+    cost1 = units1 * 100 * rate
+    e2 = 1 - cost1 + units1 * 1.0  # marked at close 101
+    units2 = -0.5 * e2 / 101
+    cost2 = (units1 - units2) * 101 * rate  # one fill moves from +units1 to units2
+    cost3 = -units2 * 105 * rate  # flat at 105
+    e4 = e2 - cost2 + units2 * (105 - 101) - cost3
+    units4 = e4 / 104  # long at 104, take-profit 104 * (1 + 1 * 0.01) hit on bar 5
+    tp = 104 + 104 * 0.01
+    cost4 = units4 * 104 * rate + units4 * tp * rate
+    e5 = e4 + units4 * (tp - 104) - cost4
+    units5 = -e5 / 105  # short at 105, open at the walk's end (close 103 of bar 6)
+    cost5 = -units5 * 105 * rate
+    expected = [
+        ("X", day(0), day(2), 100.0, 101.0, "long", 1.0, "signal", cost1, e2 - 1),
+        ("X", day(2), day(3), 101.0, 105.0, "short", 0.5, "signal", cost2 + cost3, e4 - e2),
+        ("X", day(4), day(5), 104.0, tp, "long", 1.0, "take_profit", cost4, e5 - e4),
+        ("X", day(5), day(6), 105.0, 103.0, "short", 1.0, "end", cost5,
+         units5 * (103 - 105) - cost5),
+    ]
+    assert len(trades) == len(expected)
+    for got, want in zip(trades, expected):
+        cols = ("instrument", "entry_time", "exit_time", "entry_price", "exit_price", "side",
+                "size", "exit_reason", "cost", "pnl")
+        for col, value in zip(cols, want):
+            if isinstance(value, float):
+                assert got[col] == pytest.approx(value, rel=1e-5, abs=1e-7), (col, got)
+            else:
+                assert got[col] == value, (col, got)
+    final = e5 + units5 * (103 - 105) - cost5
+    assert sum(t["pnl"] for t in trades) == pytest.approx(final - 1, rel=1e-5)
+
+
+def test_trade_log_time_and_ruin_exits():
+    close = [100.0, 100.0, 100.0, 40.0, 40.0, 40.0, 40.0, 40.0]
+    tables = _tables(close, close, close, close, [1.0] * 8)  # barriers out of reach
+    cfg = EnvConfig(cost_bps=10.0, time_barrier=2)
+    params = trading.make_params(tables, cfg, "test")
+    long_, flat = [4, 2, 2], [2, 2, 2]
+    actions = np.array([[long_, long_, flat], [long_, long_, long_]], np.int32)
+    trades = walk_trades(params, np.array([0, 2]), np.array([3, 3]), actions, tables, cfg)
+    timed, ruined = trades
+    assert (timed["exit_reason"], timed["exit_time"], timed["exit_price"]) == \
+        ("time", np.datetime64(2, "D"), 100.0)
+    assert timed["pnl"] == pytest.approx(-2e-3, abs=1e-7)  # two fills, nothing gained (float32)
+    assert (ruined["exit_reason"], ruined["exit_time"], ruined["exit_price"]) == \
+        ("ruin", np.datetime64(3, "D"), 40.0)
+    assert ruined["pnl"] == pytest.approx(-1e-3 + 0.01 * (40 - 100), rel=1e-5)
