@@ -5,9 +5,11 @@ and the README's command-line block run end to end."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -177,3 +179,77 @@ def test_trade_log_time_and_ruin_exits():
     assert (ruined["exit_reason"], ruined["exit_time"], ruined["exit_price"]) == \
         ("ruin", np.datetime64(3, "D"), 40.0)
     assert ruined["pnl"] == pytest.approx(-1e-3 + 0.01 * (40 - 100), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The library: callbacks, writers, guard and resume rules, compile cache, lines
+
+
+def test_library_train_callbacks_writers_guard_and_resume(tmp_path):
+    out, lines, records = tmp_path / "run", [], []
+    cfg = load_config("smoke", ["train.epochs=1"])
+    api.train(cfg, out, log=lines.append, callbacks=[records.append], log_to=("jsonl",),
+              final_report=False, progress=False)
+    assert records == read_metrics(out) and [r["epoch"] for r in records] == [1]
+    assert json.loads(json.dumps(records[0])) == records[0]  # JSON values, as in the file
+    assert not (out / "tb").exists()  # --log jsonl: no TensorBoard events
+    assert lines[0].startswith("compiling the phase programs")
+    assert lines[1].startswith("phase programs ready in")
+    assert lines[-1].startswith(f"wrote {out}: config.yaml") and "tb/" not in lines[-1]
+
+    with pytest.raises(ConfigError, match="already holds a run"):  # the run-folder guard
+        api.train(cfg, out, log=lines.append, final_report=False, progress=False)
+    changed = load_config("smoke", ["train.epochs=2", "env.cost_bps=1", "network.head=16"])
+    with pytest.raises(ConfigError) as err:
+        api.train(changed, out, resume=True, log=lines.append, final_report=False)
+    assert "env.cost_bps: 2.0 in the run, 1.0 now" in str(err.value)
+    assert "network.head: 32 in the run, 16 now" in str(err.value)
+    assert "train.epochs" not in str(err.value).split("(", 1)[1].split(")")[0]
+
+    api.train(load_config("smoke", ["train.epochs=2"]), out, resume=True, log=lines.append,
+              callbacks=[records.append], final_report=False, progress=False)
+    assert [r["epoch"] for r in records] == [1, 2] and records == read_metrics(out)
+    assert (out / "tb").is_dir()  # the default writers
+
+
+def test_epoch_line_drops_init_and_compile_when_zero():
+    rec = {"epoch": 2, "loss": 1.0, "epsilon": 0.5, "val": {"sharpe": 0.1, "total_return": 0.0},
+           "val_buy_and_hold": {"sharpe": 0.2, "total_return": 0.01},
+           "phase_ms": {"init": 0.0, "compile": 0.0, "experience": 1.0, "training": 2.0,
+                        "validation": 3.0, "total": 6.0}}
+    line = api.phase_line(rec, 3)
+    assert "Init" not in line and "Compile" not in line and "Experience" in line
+    rec["phase_ms"].update(init=5.0, compile=7.0)
+    assert "Init" in api.phase_line(rec, 3) and "Compile" in api.phase_line(rec, 3)
+
+
+LIBRARY_CACHE = """
+import jax, sys
+from foxhunt_jax import api, load_config
+from foxhunt_jax.errors import FoxhuntError
+from foxhunt_jax.jitcache import entry_path
+cfg = load_config("smoke", ["data.source=[/no/such/prices.csv]"])
+for cache in (False, True):
+    try:  # fails on the data, after the caches are set up and before any compile
+        api.train(cfg, compile_cache=cache, final_report=False)
+    except FoxhuntError:
+        pass
+    print(cache, jax.config.jax_compilation_cache_dir, entry_path("p", "k") is not None)
+"""
+
+
+def test_library_turns_on_the_clis_compile_caches(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FOXHUNT_JAX_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", LIBRARY_CACHE], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["False None False",
+                                        f"True {tmp_path / 'cache'} True"], r.stdout
+
+
+def test_logging_example_says_it_skipped_without_wandb_or_mlflow(capsys):
+    if any(importlib.util.find_spec(m) for m in ("wandb", "mlflow")):
+        pytest.skip("wandb or mlflow is installed: the example would log to it")
+    script = runpy.run_path(str(ROOT / "scripts" / "log_to_wandb_or_mlflow.py"))
+    assert script["main"]([]) == 0
+    assert capsys.readouterr().out.startswith("skipped: neither wandb nor mlflow is installed")
