@@ -142,7 +142,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     footer = (f"{len(market.instruments)} instruments, {total} bars, bar frequency "
               f"{human_duration(market.bar_seconds)}, {market.bars_per_year:.1f} bars per year, "
               f"splits {','.join(f'{f:g}' for f in cfg.splits)} of the bars after each "
-              f"instrument's first {WARMUP_BARS} (feature warm-up)")
+              f"instrument's first {WARMUP_BARS} (feature warm-up); a check: nothing written")
     _render_table(headers, rows, title, footer)
     return 0
 
@@ -198,7 +198,7 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
     rows = [(k.key, k.type, _yaml_flow(k.default), k.meaning) for k in keys()]
     _render_table(("key", "type", "default", "meaning"), rows, "config keys",
                   f"{len(rows)} keys; set one with --set KEY=VALUE or in a YAML file "
-                  "(foxhunt-jax config show prints a full one); printed to stdout")
+                  "(foxhunt-jax config show prints a full one); nothing written")
     return 0
 
 

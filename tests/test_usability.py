@@ -253,3 +253,51 @@ def test_logging_example_says_it_skipped_without_wandb_or_mlflow(capsys):
     script = runpy.run_path(str(ROOT / "scripts" / "log_to_wandb_or_mlflow.py"))
     assert script["main"]([]) == 0
     assert capsys.readouterr().out.startswith("skipped: neither wandb nor mlflow is installed")
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's command-line block
+
+
+def readme_commands() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Command line\s+```bash\n(.*?)```", text, re.S).group(1)
+    return [shlex.split(line, comments=True)[1:] for line in block.splitlines()
+            if line.startswith("foxhunt-jax ")]
+
+
+def test_readme_command_line_examples_run(tmp_path, monkeypatch, capsys):
+    """Every command of the block in order (bench has its own test), in-process; trains at
+    smoke sizes for one epoch, and the resume trains one more."""
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands()
+    assert [c[0] for c in commands].count("train") >= 2 and any("--resume" in c for c in commands)
+    for args in commands:
+        if args[0] == "bench":
+            continue
+        if args[0] == "train":
+            small = ["train.epochs=2"] if "--resume" in args else SMOKE_SIZES + ["train.epochs=1"]
+            args = args + [a for s in small for a in ("--set", s)]
+        code = main(args)
+        captured = capsys.readouterr()
+        assert code == 0, (args, captured.err[-2000:])
+        last = captured.out.strip().splitlines()[-1]
+        assert re.search(r"\b(wrote|written)\b", last), (args, last)  # it says what it wrote
+        if args[0] == "train":  # without a terminal: a line at the compile and each final walk
+            assert "compiling the phase programs" in captured.out
+            assert "final walk of the test split" in captured.out
+
+    report = tmp_path / "runs" / "a" / "report"
+    assert [r["epoch"] for r in read_metrics(tmp_path / "runs" / "a")] == [1, 2]
+    payload = json.loads((report / "evaluate_test.json").read_text())
+    assert (report / "evaluate_test.png").stat().st_size > 0
+    with open(report / "evaluate_test_trades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and list(rows[0]) == ["instrument", "entry_time", "exit_time", "entry_price",
+                                      "exit_price", "side", "size", "exit_reason", "cost", "pnl"]
+    assert {r["exit_reason"] for r in rows} <= {"signal", "take_profit", "stop_loss", "time",
+                                                 "ruin", "end"}
+    # an instrument's trades sum to its equity change; total_return is their mean
+    pnl = sum(float(r["pnl"]) for r in rows) / len(payload["instruments"])
+    assert pnl == pytest.approx(payload["metrics"]["agent"]["total_return"], rel=1e-6)
+    assert list(report.glob("evaluate_test_eurusd_hourly-*.csv"))
