@@ -374,7 +374,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     except OSError as e:
         raise FoxhuntError(f"cannot write {e.filename or path} "
                            f"({(e.strerror or str(e)).lower()})") from None
-    log(f"wrote {', '.join(map(str, written))} ({len(trades)} trades)")
+    log(f"evaluation written to {', '.join(map(str, written))} ({len(trades)} trades)")
     return metrics
 
 
