@@ -212,6 +212,14 @@ def test_library_train_callbacks_writers_guard_and_resume(tmp_path):
     assert (out / "tb").is_dir()  # the default writers
 
 
+def test_unknown_log_writer_is_one_error_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", "smoke", "--log", "jsonl,wandb", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --log: unknown writer wandb (known: jsonl, tensorboard)"]
+    assert not out.exists()
+
+
 def test_epoch_line_drops_init_and_compile_when_zero():
     rec = {"epoch": 2, "loss": 1.0, "epsilon": 0.5, "val": {"sharpe": 0.1, "total_return": 0.0},
            "val_buy_and_hold": {"sharpe": 0.2, "total_return": 0.01},
