@@ -46,7 +46,7 @@ def wandb_logger(project: str, config: dict):
 
 
 def mlflow_logger(project: str, config: dict):
-    """(callback, finish, where) for MLflow (its tracking URI: MLFLOW_TRACKING_URI, else ./mlruns)."""
+    """(callback, finish, where) for MLflow (tracking URI: MLFLOW_TRACKING_URI, else ./mlruns)."""
     mlflow = importlib.import_module("mlflow")  # optional: found by pick_service
     mlflow.set_experiment(project)
     run = mlflow.start_run()

@@ -575,5 +575,5 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
 
 
 __all__ = ["LOG_WRITERS", "RunWriter", "RunLock", "open_run", "check_run_folder",
-           "checkpoint_steps", "truncate_events", "read_metrics", "to_jsonable", "flatten", "METRICS_FILE",
-           "CONFIG_FILE", "RUN_FILE", "LOCK_FILE"]
+           "checkpoint_steps", "truncate_events", "read_metrics", "to_jsonable", "flatten",
+           "METRICS_FILE", "CONFIG_FILE", "RUN_FILE", "LOCK_FILE"]

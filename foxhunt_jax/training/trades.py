@@ -37,7 +37,8 @@ def replay_steps(env_params, starts, lengths, actions):
         out = {"bar": state.bar, "target": env_params.exposures[action[:, 0]],
                "traded": info["traded"] & alive, "cost": jnp.where(alive, info["cost"], 0.0),
                "barrier": jnp.where(alive, info["barrier"], trading.NONE),
-               "exit_price": info["exit_price"], "equity": jnp.where(alive, info["equity"], jnp.nan),
+               "exit_price": info["exit_price"],
+               "equity": jnp.where(alive, info["equity"], jnp.nan),
                "terminated": terminated & alive, "alive": alive}
         state = jax.tree.map(lambda a, b: jnp.where(alive, a, b), new, state)
         return (state, alive & ~terminated), out
