@@ -79,7 +79,8 @@ def test_config_show_and_keys_commands(tmp_path, capsys):
 def option_entries(help_text: str) -> list[str]:
     """Each option's entry of an argparse help text (its flags and its help, one string)."""
     body = help_text.split("\n\n", 2)[-1]  # after the usage and the description
-    return [" ".join(e.split()) for e in re.split(r"\n(?=  -)", body) if e.startswith("  -")]
+    return [" ".join(e.split("\n\n")[0].split()) for e in re.split(r"\n(?=  -)", body)
+            if e.startswith("  -")]  # an entry ends at a blank line (a group's title follows)
 
 
 def test_every_option_of_every_command_has_help_that_states_its_default(capsys):
