@@ -32,8 +32,8 @@ from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.training import checkpoint, report, validate
 from foxhunt_jax.training.phases import TrainerState, all_finite
-from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder, open_run,
-                                         read_metrics, to_jsonable)
+from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder,
+                                         checkpoint_steps, open_run, read_metrics, to_jsonable)
 from foxhunt_jax.training.trades import walk_trades, write_trades_csv
 from foxhunt_jax.training.trainer import Trainer
 
@@ -247,10 +247,11 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
 
 
 def wrote_line(out: Path, report_files: Sequence[Path], tensorboard: bool) -> str:
-    """The last line of a run: every file and folder it wrote in ``out``."""
-    steps = checkpoint.latest_step(out / "checkpoints")
+    """The last line of a run: every file and folder it wrote in ``out``. Reads the folder
+    only (process 0 calls it alone: opening an orbax manager would wait for the others)."""
+    steps = checkpoint_steps(out)
     parts = ["config.yaml", "normalization.json", "metrics.jsonl",
-             f"checkpoints/ (latest epoch {steps})"]
+             f"checkpoints/ (latest epoch {steps[-1] if steps else None})"]
     parts += ["tb/ (TensorBoard events)"] if tensorboard else []
     parts += [str(Path(p).relative_to(out)) for p in report_files]
     return f"wrote {out}: " + ", ".join(parts)
