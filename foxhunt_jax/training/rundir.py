@@ -6,7 +6,8 @@ Layout of ``out_dir``::
     run.lock          the writer's lock: pid, host and start time of the process that holds it
     config.yaml       the resolved configuration of the run
     metrics.jsonl     one JSON object per epoch (strict JSON: NaN and Inf are written as null)
-    tb/               TensorBoard event files (the same scalars, nested keys joined with "/")
+    tb/               TensorBoard event files (the same scalars, nested keys joined with "/";
+                      not written when the writers, LOG_WRITERS, leave tensorboard out)
     checkpoints/      orbax checkpoints (foxhunt_jax.training.checkpoint)
     report/           summary.json and plots (foxhunt_jax.training.report)
 
