@@ -193,19 +193,13 @@ def _args_config_keys(p: argparse.ArgumentParser) -> None:
 
 def cmd_config_keys(args: argparse.Namespace) -> int:
     """Every dotted key with its type, default and meaning."""
-    from foxhunt_jax.config import keys
+    from foxhunt_jax.config import keys, yaml_line
 
-    rows = [(k.key, k.type, _yaml_flow(k.default), k.meaning) for k in keys()]
+    rows = [(k.key, k.type, yaml_line(k.default), k.meaning) for k in keys()]
     _render_table(("key", "type", "default", "meaning"), rows, "config keys",
                   f"{len(rows)} keys; set one with --set KEY=VALUE or in a YAML file "
                   "(foxhunt-jax config show prints a full one); nothing written")
     return 0
-
-
-def _yaml_flow(value) -> str:
-    import yaml
-
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ def _merge(base: dict, update: dict) -> dict:
 
 
 def to_dict(cfg: Any) -> dict:
-    """Plain nested dict (tuples as lists) for YAML/JSON output."""
+    """Plain nested dict (tuples as lists) for YAML/JSON output; any other value likewise."""
 
     def conv(x):
         if dataclasses.is_dataclass(x):
@@ -447,16 +447,12 @@ def keys(cls: type = Config, prefix: str = "") -> list[KeyInfo]:
         if dataclasses.is_dataclass(hints[f.name]):
             out.extend(keys(hints[f.name], name + "."))
         else:
-            out.append(KeyInfo(name, _type_name(hints[f.name]), _plain(getattr(defaults, f.name)),
+            out.append(KeyInfo(name, _type_name(hints[f.name]), to_dict(getattr(defaults, f.name)),
                                f.metadata["meaning"]))
     return out
 
 
-def _plain(value: Any) -> Any:
-    return [_plain(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _flow(value: Any) -> str:
+def yaml_line(value: Any) -> str:
     """``value`` as one line of YAML (flow style) that ``yaml.safe_load`` reads back."""
     text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
     return text.removesuffix("...").strip()  # a bare scalar's document-end marker
@@ -475,8 +471,8 @@ def show_yaml(cfg: Config) -> str:
                 lines.append(f"{indent}{f.name}:  # {meaning}")
                 walk(value, getattr(default, f.name), indent + "  ")
                 continue
-            base = _flow(_plain(getattr(default, f.name)))
-            lines.append(f"{indent}{f.name}: {_flow(_plain(value))}  # {meaning} (default {base})")
+            text, base = (yaml_line(to_dict(v)) for v in (value, getattr(default, f.name)))
+            lines.append(f"{indent}{f.name}: {text}  # {meaning} (default {base})")
 
     walk(cfg, Config(), "")
     return "\n".join(lines) + "\n"
@@ -502,5 +498,5 @@ __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
     "CuriosityConfig", "TrainConfig", "load_config", "from_dict", "replace", "validate",
     "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path", "setting",
-    "KeyInfo", "keys", "show_yaml", "differences",
+    "KeyInfo", "keys", "show_yaml", "yaml_line", "differences",
 ]
