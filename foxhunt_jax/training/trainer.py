@@ -245,12 +245,15 @@ class Trainer:
                                          config={"config": self.cfg, "steps": steps})
             return compiled(*args)
 
-        paths = {"agent": validate.equity_paths(walk_with(
-            "agent", run_greedy, split_params, agent.params, jax.random.key(seed), *walk))}
+        def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
+            return dict(validate.equity_paths(traj),
+                        action=np.swapaxes(np.asarray(traj["action"]), 0, 1))
+
+        paths = {"agent": walked(walk_with("agent", run_greedy, split_params, agent.params,
+                                           jax.random.key(seed), *walk))}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
-            paths["oracle"] = validate.equity_paths(walk_with(
-                "oracle", run_oracle, split_params, jnp.asarray(self.tables.last_log_return),
-                *walk))
+            paths["oracle"] = walked(walk_with("oracle", run_oracle, split_params,
+                                               jnp.asarray(self.tables.last_log_return), *walk))
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
                                                             lengths)
         paths["flat"] = validate.flat_paths(lengths)
