@@ -104,7 +104,10 @@ class NetworkConfig:
     atoms: int = setting(11, "C51 atoms of each return distribution")
     v_min: float = setting(-10.0, "lowest atom of the return support")
     v_max: float = setting(10.0, "highest atom of the return support")
-    dtype: str = setting("float32", "matrix inputs: float32 or bfloat16 (params, logits stay f32)")
+    # auto is resolved once per run, on its device (foxhunt_jax.backend.resolve_config), and the
+    # run's config.yaml records the result
+    dtype: str = setting("auto", "matrix inputs: float32, bfloat16 (params, logits stay f32), or "
+                                 "auto (bfloat16 on a CUDA GPU, the fast path; else float32)")
     # pallas: the whole trading rollout in one kernel (pallas_kernels/rollout.py) and the fused
     # Q-forward, bfloat16 only (the float32 kernel loses to XLA, docs/performance.md),
     # interpreted (slowly) off CUDA GPUs; resolved once by foxhunt_jax.backend.resolve.
@@ -406,11 +409,11 @@ def validate(cfg: Config) -> Config:
     _check(n.head >= 1, "network.head", "must be >= 1", n.head)
     _check(n.atoms >= 2, "network.atoms", "must be >= 2", n.atoms)
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
-    _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
-           n.dtype)
+    _check(n.dtype in ("auto", "float32", "bfloat16"), "network.dtype",
+           "must be auto, float32 or bfloat16", n.dtype)
     _check(n.backend in ("auto", "xla", "pallas"), "network.backend",
            "must be auto, xla or pallas", n.backend)
-    _check(n.backend != "pallas" or n.dtype == "bfloat16", "network.backend",
+    _check(n.backend != "pallas" or n.dtype != "float32", "network.backend",
            "pallas needs network.dtype=bfloat16 (its float32 kernel is slower than XLA)",
            n.backend)
 

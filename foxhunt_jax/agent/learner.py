@@ -33,7 +33,8 @@ from flax import struct
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import bootstrap_loss
 from foxhunt_jax.agent.network import (QNetwork, explore_actions, greedy_actions, init_params,
-                                       q_forward, support as make_support, taken_logits)
+                                       make_network, q_forward, support as make_support,
+                                       taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 from pallas_kernels.tuning import ReplaySearch
 
@@ -83,8 +84,7 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
                  replay_search: ReplaySearch = ReplaySearch()) -> Learner:
     """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_search`` as
     :class:`Learner` (the trainer passes its backend's ``tuning.replay``)."""
-    net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
-                   head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
+    net = make_network(cfg.network, branch_sizes)
     t = cfg.train
     # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
     # launches far fewer kernels

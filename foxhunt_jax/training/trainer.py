@@ -23,7 +23,7 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner, make_learner, schedule_values
-from foxhunt_jax.backend import Backend, resolve
+from foxhunt_jax.backend import Backend, resolve, resolve_config
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
@@ -74,6 +74,7 @@ class Trainer:
         start = time.perf_counter()
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
+        cfg = resolve_config(cfg, local)  # network.dtype auto, for this device
         if market is None:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
