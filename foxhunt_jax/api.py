@@ -156,10 +156,7 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ConfigError("--resume needs the run folder (--out)")
-    concrete = resolve_config(cfg, devices[0] if devices else None)
-    if concrete.network.dtype != cfg.network.dtype:
-        log(f"network.dtype auto: {concrete.network.dtype} on this device")
-    cfg = concrete
+    cfg = resolve_config(cfg, devices[0] if devices else None)  # config.yaml records it
     if out is not None:
         # process 0, the writer, checks, marks and locks the folder before any data or compile
         # work (the others would race with its first writes)

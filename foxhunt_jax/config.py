@@ -65,8 +65,8 @@ class DataConfig:
                                          meaning="the builtin:synthetic market")
     # resolved by validate into the names (docs/features.md)
     features: tuple[str, ...] = setting(
-        DEFAULT_FEATURES, "market feature columns, in order: built-in names, registered user "
-                          "ones (foxhunt_jax.data.features.register) or patterns like vol_*")
+        DEFAULT_FEATURES, "market feature columns in order: built-in or registered names, or "
+                          "patterns like vol_* (docs/features.md)")
 
 
 FILLS = ("next_open", "close")  # env.fill values
@@ -84,8 +84,7 @@ class EnvConfig:
     time_barrier: int = setting(20, "H: bars a position may be held before it is closed")
     cost_bps: float = setting(2.0, "commission + half-spread, basis points of traded notional")
     fill: str = setting("next_open", "where a decision at bar t's close fills: next_open (bar "
-                                     "t+1's open, the earliest a real order can) or close "
-                                     "(bar t's close, optimistic)")
+                                     "t+1's open) or close (bar t's close, optimistic)")
     slippage_bps: float = setting(0.0, "every fill price moved against the trade by this many "
                                        "basis points")
     fixed_cost: float = setting(0.0, "cost per trade, in units of initial equity")
@@ -106,8 +105,8 @@ class NetworkConfig:
     v_max: float = setting(10.0, "highest atom of the return support")
     # auto is resolved once per run, on its device (foxhunt_jax.backend.resolve_config), and the
     # run's config.yaml records the result
-    dtype: str = setting("auto", "matrix inputs: float32, bfloat16 (params, logits stay f32), or "
-                                 "auto (bfloat16 on a CUDA GPU, the fast path; else float32)")
+    dtype: str = setting("auto", "matrix inputs: float32, bfloat16 (params and logits stay f32) "
+                                 "or auto (bfloat16 on a CUDA GPU, else float32)")
     # pallas: the whole trading rollout in one kernel (pallas_kernels/rollout.py) and the fused
     # Q-forward, bfloat16 only (the float32 kernel loses to XLA, docs/performance.md),
     # interpreted (slowly) off CUDA GPUs; resolved once by foxhunt_jax.backend.resolve.
@@ -158,9 +157,8 @@ class TrainConfig:
     epsilon_decay_epochs: int = setting(20, "epochs of linear epsilon decay")
     validation_windows: int = setting(64, "fixed validation windows walked greedily each epoch")
     # foxhunt_jax.training.selection
-    select_by: str = setting("sharpe", "validation metric that chooses the agent the report, "
-                                       "evaluate, act and export use: sharpe, total_return "
-                                       "(higher is better) or loss (lower is better)")
+    select_by: str = setting("sharpe", "validation metric that selects the agent runs report "
+                                       "and use: sharpe, total_return or loss")
     patience: int = setting(0, "stop after this many epochs without a better select_by; 0 = off")
     checkpoint_every: int = setting(1, "epochs between checkpoints (the last one always)")
     log_every: int = setting(1, "epochs between printed epoch lines (the last one always)")

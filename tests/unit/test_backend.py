@@ -126,7 +126,5 @@ def test_a_run_records_the_dtype_it_ran_with(tmp_path):
     cfg = load_config("smoke", ["train.epochs=1", "train.num_episodes=8", "env.episode_length=8",
                                 "train.train_steps=1", "train.batch_size=8",
                                 "train.validation_windows=2", "replay.capacity=256"])
-    lines = []
-    api.train(cfg, tmp_path / "run", progress=False, final_report=False, log=lines.append)
+    api.train(cfg, tmp_path / "run", progress=False, final_report=False, log=lambda line: None)
     assert read_yaml(tmp_path / "run" / "config.yaml")["network"]["dtype"] == "float32"
-    assert "network.dtype auto: float32 on this device" in lines
