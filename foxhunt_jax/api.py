@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from foxhunt_jax import parallel
+from foxhunt_jax.agent.value_range import edge_mass_warning
 from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.policy.spec import write_statistics
@@ -117,6 +118,9 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
             check_run_folder(out, resume)
         if resume:
             saved = from_dict(read_yaml(out / "config.yaml"))
+            if cfg.network.support == "auto":  # config.yaml records the range auto derived
+                cfg = replace(cfg, network={k: getattr(saved.network, k)
+                                            for k in ("support", "v_min", "v_max")})
             if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
                 raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
                                   "(only train.epochs may change)")
@@ -145,6 +149,9 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     trainer = Trainer.build(cfg, devices=devices)
+    cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
+    if writer is not None and not resume:
+        writer.write_config(dump_yaml(cfg))
     if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
         log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
     state = trainer.init_state()
@@ -160,6 +167,7 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     epochs = cfg.train.epochs
     bar = _progress(progress, epochs, int(state.epoch))
     epoch = int(state.epoch)
+    warned = False
     try:
         while epoch < epochs:
             # Queue the next epoch's Experience and Training behind this epoch (their launches
@@ -172,6 +180,11 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
             if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
                 (bar.console.print if bar else log)(compile_line(rec, trainer))
             history.append(rec)
+            warning = None if warned else edge_mass_warning(
+                rec["epoch"], rec["support_edge_mass"], cfg.network.v_min, cfg.network.v_max)
+            if warning:  # once a run: the record of every epoch holds the number
+                (bar.console.print if bar else log)(warning)
+                warned = True
             if writer is not None:
                 writer.log(rec)
             if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:

@@ -67,7 +67,11 @@ class NetworkConfig:
     trunk: tuple[int, ...] = (256, 256)
     head: int = 160  # hidden width of the value stream and of each advantage stream
     atoms: int = 11
-    v_min: float = -10.0
+    # the C51 support [v_min, v_max]: "auto" derives it from the returns the env produces (the
+    # trainer, from the training split; foxhunt_jax.agent.value_range) and a run's config.yaml
+    # records the result as "explicit"; "explicit" uses v_min and v_max as given
+    support: str = "auto"
+    v_min: float = -10.0  # used only with support: explicit
     v_max: float = 10.0
     dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
     # collection, validation and inference (foxhunt_jax.backend.resolve): "xla" (lax.scan over
@@ -345,7 +349,13 @@ def validate(cfg: Config) -> Config:
            "needs one or more positive widths", n.trunk)
     _check(n.head >= 1, "network.head", "must be >= 1", n.head)
     _check(n.atoms >= 2, "network.atoms", "must be >= 2", n.atoms)
+    _check(n.support in ("auto", "explicit"), "network.support", "must be auto or explicit",
+           n.support)
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
+    placeholder = tuple(NetworkConfig.__dataclass_fields__[k].default for k in ("v_min", "v_max"))
+    _check(n.support == "explicit" or (n.v_min, n.v_max) == placeholder, "network.v_min",
+           "and network.v_max are used only with network.support=explicit (auto derives them)",
+           (n.v_min, n.v_max))
     _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
            n.dtype)
     _check(n.backend in ("auto", "xla", "pallas"), "network.backend",

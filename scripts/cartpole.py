@@ -36,7 +36,7 @@ ENV, ENV_PARAMS = gymnax.make("CartPole-v1")
 # full run's 160,000 transitions, so early failures are not forgotten once the pole stays up.
 OVERRIDES = [
     "network.trunk=[128, 128]", "network.head=64", "network.atoms=21",
-    "network.v_min=0", "network.v_max=50",
+    "network.support=explicit", "network.v_min=0", "network.v_max=50",
     "replay.capacity=131072", "replay.alpha=0.6", "replay.beta_start=0.4",
     "curiosity.coef=0",
     "train.learning_rate=1e-3", "train.batch_size=128", "train.gamma=0.98", "train.n_step=3",

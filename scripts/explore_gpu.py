@@ -1230,7 +1230,8 @@ def section_compilesweep(args, out: dict) -> None:
                     out.setdefault("skipped", []).append(f"{setting} {step}")
                     continue
                 try:
-                    row[step] = _child(_SWEEP, args, left, cache=cache, overrides=(change,),
+                    row[step] = _child(_SWEEP, args, left, cache=cache,
+                                       overrides=("network.support=explicit", change),
                                        xla_caches=None if setting == "default" else setting)
                 except Exception as e:  # noqa: BLE001 - a failed child is a result, not a stop
                     row[step] = {"error": str(e)}

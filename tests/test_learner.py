@@ -47,7 +47,8 @@ def chain_mdp():
 
 def _cfg(*extra):
     return load_config(None, ["network.trunk=[64]", "network.head=32", "network.atoms=21",
-                              "network.v_min=0", "network.v_max=5", "curiosity.coef=0",
+                              "network.support=explicit", "network.v_min=0", "network.v_max=5",
+                              "curiosity.coef=0",
                               "replay.capacity=64", "replay.alpha=0", "train.batch_size=8",
                               f"train.gamma={GAMMA}", "train.learning_rate=3e-3",
                               "train.target_update=hard", "train.target_period=50", *extra])
