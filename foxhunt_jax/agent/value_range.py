@@ -90,8 +90,9 @@ def with_range(cfg: Config, v_min: float, v_max: float) -> Config:
     def outward(x: float, up: bool) -> float:
         if x == 0:
             return 0.0
-        scale = 10.0 ** (math.floor(math.log10(abs(x))) - 3)
-        return (math.ceil if up else math.floor)(x / scale) * scale
+        digits = 3 - math.floor(math.log10(abs(x)))
+        return round((math.ceil if up else math.floor)(x * 10.0 ** digits) / 10.0 ** digits,
+                     digits)
     return replace(cfg, network={"support": "explicit", "v_min": outward(v_min, False),
                                  "v_max": outward(v_max, True)})
 
