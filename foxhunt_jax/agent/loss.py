@@ -16,6 +16,10 @@ import jax.numpy as jnp
 from foxhunt_jax.agent.network import greedy_actions, select_action, taken_logits
 from foxhunt_jax.errors import ConfigError
 
+# a shifted atom counts as clipped beyond this fraction of the atom spacing past an edge, so that
+# a value on the edge (a constant reward's fixed point) is not counted by float rounding
+EDGE_TOLERANCE = 1e-3
+
 
 def _project(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
              support: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -28,7 +32,8 @@ def _project(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
     v_min, v_max = support[0], support[-1]
     dz = (v_max - v_min) / (k - 1)
     shifted = returns[:, None] + discounts[:, None] * support[None, :]  # [M, K] unclipped
-    outside = (shifted < v_min) | (shifted > v_max)
+    tolerance = EDGE_TOLERANCE * dz
+    outside = (shifted < v_min - tolerance) | (shifted > v_max + tolerance)
     edge_mass = jnp.sum(jnp.where(outside, next_probs, 0.0), axis=-1)
     tz = jnp.clip(shifted, v_min, v_max)
     b = jnp.clip((tz - v_min) / dz, 0.0, k - 1.0)  # [M, K] fractional target index per source atom
@@ -64,7 +69,8 @@ def clipped_edge_mass(next_probs: jax.Array, returns: jax.Array, discounts: jax.
                       support: jax.Array) -> jax.Array:
     """``[M]``: the probability that :func:`categorical_projection` clips onto the two edge
     atoms, the mass of the atoms whose shifted value ``r + d z_j`` lies outside
-    ``[v_min, v_max]``. Arguments as :func:`categorical_projection`.
+    ``[v_min, v_max]`` by more than :data:`EDGE_TOLERANCE` atom spacings. Arguments as
+    :func:`categorical_projection`.
 
     Mass that lands on an edge atom from inside the support is not counted: a support that fits
     may hold a return on its edge, but clipped mass means returns beyond it.

@@ -23,18 +23,28 @@ EDGE_MASS_WARNING = 0.05
 TRADING_MARGIN = 0.25
 
 
-def horizon_weight(gamma: float, horizon: int) -> float:
-    """``sum_{k < horizon} gamma^k``: the discounted weight of ``horizon`` steps."""
+def horizon_weight(gamma: float, horizon: int | None = None) -> float:
+    """``sum_{k < horizon} gamma^k``; ``horizon`` None: the infinite sum ``1 / (1 - gamma)``.
+
+    A learner that bootstraps at truncation learns infinite-horizon values (the time left is
+    not in the observation), so its support needs the infinite sum; ``gamma = 1`` has none.
+    """
+    if horizon is None:
+        if not gamma < 1:
+            raise ValueError("horizon_weight: gamma = 1 needs a finite horizon")
+        return 1.0 / (1.0 - gamma)
     return float(horizon) if gamma == 1 else (1.0 - gamma ** horizon) / (1.0 - gamma)
 
 
 def discounted_range(reward_lo: float, reward_hi: float, gamma: float,
-                     horizon: int) -> tuple[float, float]:
-    """``(v_min, v_max)`` holding every discounted return of an episode of at most ``horizon``
-    steps whose per-step rewards lie in ``[reward_lo, reward_hi]``, and 0.
+                     horizon: int | None = None) -> tuple[float, float]:
+    """``(v_min, v_max)`` holding every discounted return whose per-step rewards lie in
+    ``[reward_lo, reward_hi]``, over ``horizon`` steps (None: unbounded, as values learned with
+    bootstrapped truncation are), and 0.
 
     The range is ``[min(0, reward_lo * G), max(0, reward_hi * G)]`` with ``G`` the
-    :func:`horizon_weight`: exact bounds, so no margin is added.
+    :func:`horizon_weight`: exact bounds (a constant reward's value sits on the edge), so no
+    margin is added.
     """
     if not reward_lo <= reward_hi:
         raise ValueError(f"discounted_range: reward_lo {reward_lo} > reward_hi {reward_hi}")
@@ -45,21 +55,26 @@ def discounted_range(reward_lo: float, reward_hi: float, gamma: float,
     return lo, hi
 
 
-def holding_returns(tables: MarketTables, gamma: float, horizon: int) -> np.ndarray:
-    """Discounted sums of the close-to-close log returns over the next ``horizon`` bars (fewer
-    at the segment's end) from every bar of every instrument's training segment, float64.
+def holding_returns(tables: MarketTables, gamma: float) -> np.ndarray:
+    """``sum_k gamma^k x_{t+k}`` of the close-to-close log returns ``x`` from every bar ``t``
+    of every instrument's training segment to the segment's end, float64.
 
-    Only training bars are read: no look-ahead into validation or test.
+    The sums run past the episode's end because truncation bootstraps: the values the learner
+    learns are such unbounded discounted sums. Only training bars are read: no look-ahead into
+    validation or test.
     """
-    weights = gamma ** np.arange(horizon, dtype=np.float64)
     out = []
     for first, last in np.asarray(tables.segments["train"], np.int64).reshape(-1, 2):
         close = np.asarray(tables.close[first:last + 1], np.float64)
         if close.size < 2:
             continue
         x = np.log(close[1:] / close[:-1])
-        padded = np.concatenate([x, np.zeros(horizon - 1)])
-        out.append(np.convolve(padded, weights[::-1], mode="valid"))
+        sums = np.empty_like(x)
+        acc = 0.0
+        for t in range(x.size - 1, -1, -1):  # H_t = x_t + gamma H_{t+1}
+            acc = x[t] + gamma * acc
+            sums[t] = acc
+        out.append(sums)
     if not out:
         raise ConfigError("network.support=auto: the training split holds no bar-to-bar return "
                           "to derive the support from")
@@ -68,10 +83,10 @@ def holding_returns(tables: MarketTables, gamma: float, horizon: int) -> np.ndar
 
 def trading_range(tables: MarketTables, env_cfg: EnvConfig, gamma: float) -> tuple[float, float]:
     """``(v_min, v_max)`` for the trading env: the range of the discounted returns of holding
-    the largest long and the largest short exposure from every training bar for an episode's
-    ``env.episode_length`` steps (reward ``reward_scale`` x exposure x log return), minus every
+    the largest long and the largest short exposure from every training bar
+    (:func:`holding_returns`, reward ``reward_scale`` x exposure x log return), minus every
     step's largest trading cost, and 0; widened by :data:`TRADING_MARGIN` on each side."""
-    sums = holding_returns(tables, gamma, env_cfg.episode_length) * env_cfg.reward_scale
+    sums = holding_returns(tables, gamma) * env_cfg.reward_scale
     values = [0.0]
     for exposure in (min(env_cfg.exposures), max(env_cfg.exposures)):
         values += [float(np.min(exposure * sums)), float(np.max(exposure * sums))]
@@ -79,7 +94,8 @@ def trading_range(tables: MarketTables, env_cfg: EnvConfig, gamma: float) -> tup
     largest = max(abs(e) for e in env_cfg.exposures)
     cost = 3 * largest * env_cfg.cost_bps / 1e4 + 2 * env_cfg.fixed_cost / env_cfg.ruin_floor
     step_cost = -env_cfg.reward_scale * math.log(max(1.0 - cost, 1e-6))
-    lo = min(values) - step_cost * horizon_weight(gamma, env_cfg.episode_length)
+    weight = horizon_weight(gamma) if gamma < 1 else float(len(sums))
+    lo = min(values) - step_cost * weight
     hi = max(values)
     return lo * (1 + TRADING_MARGIN), hi * (1 + TRADING_MARGIN)
 
