@@ -1,4 +1,5 @@
-"""scripts/cartpole.py: the agent learns gymnax CartPole-v1, and the script's output line.
+"""scripts/cartpole.py: the agent learns gymnax CartPole-v1, and the script's output line;
+MountainCar-v0 gets a support that fits its negative returns from ``network.support: auto``.
 
 A short run of the script's own training (same hyper-parameters, fewer iterations, epsilon
 decayed over the first quarter as in the full run) must beat a uniformly random policy (about 22

@@ -82,7 +82,11 @@ class Learner:
 def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
                  replay_search: ReplaySearch = ReplaySearch()) -> Learner:
     """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_search`` as
-    :class:`Learner` (the trainer passes its backend's ``tuning.replay``)."""
+    :class:`Learner` (the trainer passes its backend's ``tuning.replay``).
+
+    Its support is ``[network.v_min, network.v_max]``: whoever runs the env resolves
+    ``network.support: auto`` first (:mod:`foxhunt_jax.agent.value_range`; the trainer does);
+    an unresolved config's placeholder range is used as it is."""
     net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
                    head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
     t = cfg.train
