@@ -26,6 +26,7 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState
+from foxhunt_jax.agent.value_range import edge_mass_warning
 from foxhunt_jax.backend import resolve_config
 from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_yaml, replace,
                                 to_dict)
@@ -164,6 +165,9 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
             check_run_folder(out, resume)
         if resume:
             saved = from_dict(read_yaml(out / "config.yaml"))
+            if cfg.network.support == "auto":  # config.yaml records the range auto derived
+                cfg = replace(cfg, network={k: getattr(saved.network, k)
+                                            for k in ("support", "v_min", "v_max")})
             changed = differences(replace(saved, train={"epochs": cfg.train.epochs}), cfg)
             if changed:
                 keys = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, a, b in changed)
@@ -197,6 +201,9 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     trainer = Trainer.build(cfg, devices=devices)
+    cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
+    if writer is not None and not resume:
+        writer.write_config(dump_yaml(cfg))
     if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
         log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
     note = parallel.unused_devices_note(trainer.mesh, cfg.train.shards)
@@ -238,6 +245,7 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
         trainer.compile(state, queued=queue_after(epoch, selection)[1])
         log(compile_line(trainer))
     bar = _progress(progress, epochs, epoch)
+    warned = False
     try:
         while epoch < epochs and not selection.stops(patience):
             scheduled, queue_next = queue_after(epoch, selection)
@@ -249,6 +257,11 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
                 selected_params, unsaved = trainer.validated_params, True
             rec.update(selection.record_fields(rec))
             history.append(rec)
+            warning = None if warned else edge_mass_warning(
+                rec["epoch"], rec["support_edge_mass"], cfg.network.v_min, cfg.network.v_max)
+            if warning:  # once a run: the record of every epoch holds the number
+                (bar.console.print if bar else log)(warning)
+                warned = True
             if writer is not None:
                 writer.log(rec)
             if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:

@@ -101,8 +101,12 @@ class NetworkConfig:
     trunk: tuple[int, ...] = setting((256, 256), "widths of the shared trunk's hidden layers")
     head: int = setting(160, "hidden width of the value stream and of each advantage stream")
     atoms: int = setting(11, "C51 atoms of each return distribution")
-    v_min: float = setting(-10.0, "lowest atom of the return support")
-    v_max: float = setting(10.0, "highest atom of the return support")
+    # auto: the trainer derives [v_min, v_max] from the training split's returns
+    # (foxhunt_jax.agent.value_range) and the run's config.yaml records them as explicit
+    support: str = setting("auto", "the C51 support: auto (from the returns the env produces) or "
+                                   "explicit (v_min, v_max as given)")
+    v_min: float = setting(-10.0, "lowest atom of the support (network.support=explicit)")
+    v_max: float = setting(10.0, "highest atom of the support (network.support=explicit)")
     # auto is resolved once per run, on its device (foxhunt_jax.backend.resolve_config), and the
     # run's config.yaml records the result
     dtype: str = setting("auto", "matrix inputs: float32, bfloat16 (params and logits stay f32) "
@@ -406,7 +410,13 @@ def validate(cfg: Config) -> Config:
            "needs one or more positive widths", n.trunk)
     _check(n.head >= 1, "network.head", "must be >= 1", n.head)
     _check(n.atoms >= 2, "network.atoms", "must be >= 2", n.atoms)
+    _check(n.support in ("auto", "explicit"), "network.support", "must be auto or explicit",
+           n.support)
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
+    placeholder = tuple(NetworkConfig.__dataclass_fields__[k].default for k in ("v_min", "v_max"))
+    _check(n.support == "explicit" or (n.v_min, n.v_max) == placeholder, "network.v_min",
+           "and network.v_max are used only with network.support=explicit (auto derives them)",
+           (n.v_min, n.v_max))
     _check(n.dtype in ("auto", "float32", "bfloat16"), "network.dtype",
            "must be auto, float32 or bfloat16", n.dtype)
     _check(n.backend in ("auto", "xla", "pallas"), "network.backend",

@@ -23,6 +23,7 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner, make_learner, schedule_values
+from foxhunt_jax.agent.value_range import resolve_trading
 from foxhunt_jax.backend import Backend, resolve, resolve_config
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
@@ -70,7 +71,9 @@ class Trainer:
     def build(cls, cfg: Config, market: MarketData | None = None,
               devices: list | None = None) -> "Trainer":
         """``devices``: the mesh (default: every device of every process); their count must
-        divide ``train.shards``, else ConfigError."""
+        divide ``train.shards``, else ConfigError. The trainer's ``cfg`` is ``cfg`` with
+        ``network.support: auto`` resolved (:func:`~foxhunt_jax.agent.value_range.
+        resolve_trading`)."""
         start = time.perf_counter()
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
@@ -79,6 +82,7 @@ class Trainer:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                               features=cfg.data.features, split_dates=cfg.data.split_dates)
+        cfg = resolve_trading(cfg, tables)  # network.support auto: the range, from train bars
         # Training runs on the whole mesh; validation (small) on this process's first device.
         env_params = {"train": parallel.put_replicated(
                           trading.make_params(tables, cfg.env, "train"), mesh),
@@ -183,6 +187,7 @@ class Trainer:
             "loss": float(learned["loss"]),
             "grad_norm": float(learned["grad_norm"]),
             "rnd_loss": float(learned["rnd_loss"]),
+            "support_edge_mass": float(learned["support_edge_mass"]),
             "finite_params": bool(learned["finite_params"]),
             "finite_opt_state": bool(learned["finite_opt_state"]),
             "epsilon": float(collected["epsilon"]),
