@@ -126,7 +126,9 @@ def test_act_at_a_bar_equals_the_stepwise_decision_there(policy, market, run_dir
     assert [rec["take_profit"]["action"], rec["stop_loss"]["action"]] == [int(a) for a in
                                                                          action[1:]]
     for b, name in enumerate(("exposure", "take_profit", "stop_loss")):
-        np.testing.assert_allclose(rec["q"][name], np.asarray(ds.q[b][k, 0]), rtol=0, atol=1e-6)
+        # float32 forwards of batches of other sizes: rounding of Q values up to |Q| ~ 10
+        np.testing.assert_allclose(rec["q"][name], np.asarray(ds.q[b][k, 0]), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_act_prints_a_table_and_writes_the_json_keys(run_dir, tmp_path, capsys):

@@ -478,7 +478,9 @@ def test_backend_config_is_validated():
     with pytest.raises(ConfigError, match="network.backend"):
         load_config(None, ["network.backend=triton"])
     with pytest.raises(ConfigError, match="needs network.dtype=bfloat16"):
-        load_config(None, ["network.backend=pallas"])  # float32: XLA is faster
+        load_config(None, ["network.backend=pallas", "network.dtype=float32"])  # XLA is faster
+    # dtype auto is bfloat16 exactly where the kernels compile (foxhunt_jax.backend.resolve_config)
+    assert load_config(None, ["network.backend=pallas"]).network.dtype == "auto"
 
 
 def test_forward_flops_counts_the_ten_gemms():
