@@ -311,6 +311,45 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_walkforward(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default="default",
+                   help="YAML config: a path or a name in configs/ (default: default)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable)")
+    p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
+                   help="market data replacing data.source (repeatable)")
+    p.add_argument("--folds", metavar="K", required=True,
+                   help="folds: the data after the warm-up is cut into K + 1 blocks; fold k "
+                        "trains on blocks before block k and tests on it")
+    p.add_argument("--window", default="expanding",
+                   help="expanding (all earlier blocks, default) or sliding (the last 2)")
+    p.add_argument("--out", metavar="DIR", required=True,
+                   help="new or empty folder; gets fold_1..fold_K run folders, "
+                        "walkforward.json and walkforward.png")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a walk-forward in --out (same config, folds and window)")
+
+
+def cmd_walkforward(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from foxhunt_jax.config import load_config
+    from foxhunt_jax.jitcache import enable_compilation_cache
+    from foxhunt_jax.research.walkforward import walkforward
+
+    try:
+        folds = int(args.folds)
+    except ValueError:
+        raise ConfigError(f"--folds must be an integer >= 1, got {args.folds!r}") from None
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
+    cfg = load_config(args.config, overrides)
+    enable_compilation_cache()
+    walkforward(cfg, folds, args.window, Path(args.out), resume=args.resume)
+    return 0
+
+
 def _args_bench(p: argparse.ArgumentParser) -> None:
     from foxhunt_jax.bench import add_arguments
 
@@ -334,6 +373,9 @@ COMMANDS: tuple[Command, ...] = (
             "instrument", _args_act, cmd_act),
     Command(("export",), "write a self-contained policy (jax.export program, parameters, "
             "statistics) that loads with jax and numpy only", _args_export, cmd_export),
+    Command(("walkforward",), "train and test K folds through time; stitch the test blocks into "
+            "one out-of-sample equity curve with its significance", _args_walkforward,
+            cmd_walkforward),
     Command(("bench",), "time every phase, compile, collection, training and replay on this "
             "device; print tables and write JSON", _args_bench, cmd_bench),
 )
@@ -391,4 +433,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
-           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "human_duration"]
+           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_walkforward", "human_duration"]

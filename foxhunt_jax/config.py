@@ -49,6 +49,9 @@ class DataConfig:
     splits: tuple[float, float, float] = (0.70, 0.15, 0.15)
     # [validation_start, test_start] (ISO dates or times) in place of the fractions; () = unset
     split_dates: tuple[str, ...] = ()
+    # [start, end] (ISO dates or times): only bars with start <= time < end are loaded, the
+    # market a walk-forward fold sees (foxhunt_jax.data.loader.window_market); () = every bar
+    window: tuple[str, ...] = ()
     sort: bool = False  # sort unsorted timestamps instead of rejecting the file
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # the feature columns, in order: built-in names, user ones (foxhunt_jax.data.features.register)
@@ -359,6 +362,8 @@ def validate(cfg: Config) -> Config:
            "must be three positive fractions summing to 1", d.splits)
     if d.split_dates:
         parse_split_dates(d.split_dates)
+    if d.window:
+        parse_split_dates(d.window, "data.window", ("start", "end"))
     s = d.synthetic
     _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
     _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)

@@ -75,7 +75,8 @@ class Trainer:
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
         if market is None:
-            market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
+            market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
+                                 window=cfg.data.window)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                               features=cfg.data.features, split_dates=cfg.data.split_dates)
         # Training runs on the whole mesh; validation (small) on this process's first device.
