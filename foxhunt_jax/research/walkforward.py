@@ -164,9 +164,9 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
     for fold in plan:
         run = out / f"fold_{fold.index}"
         again = resume and latest_step(run / "checkpoints") is not None
-        log(f"fold {fold.index}/{len(plan)}: train {_day(fold.start)} .. "
-            f"{_day(fold.validation_start)}, validation .. {_day(fold.test_start)}, test .. "
-            f"{_day(fold.test_end)} -> {run}")
+        log(f"fold {fold.index}/{len(plan)}: data from {_day(fold.start)}, validation from "
+            f"{_day(fold.validation_start)}, test {_day(fold.test_start)} .. "
+            f"before {_day(fold.test_end)} -> {run}")
         result = api.train(fold.config(cfg), run, resume=again, progress=False,
                            log=lambda s: None)
         evaluation = result.trainer.evaluate_split(result.selected_agent, "test")
@@ -246,8 +246,11 @@ def stitched_report(results: list, bars_per_year: float, holding_bars: int,
     ci = block_bootstrap_ci(agent_returns, lambda r: sharpe_ratio(r, a).annualized, block=block,
                             draws=draws, seed=0)
     # the candidates selection chose among: every epoch of every fold, by validation Sharpe
-    trials = np.asarray([rec["val"]["sharpe"] / math.sqrt(r.trainer.market.bars_per_year)
-                         for _, r, _ in results for rec in r.history], np.float64)
+    # (per bar), centred on its fold's mean so that V is the spread a selection saw, not the
+    # difference between the folds' validation periods
+    per_fold = [np.asarray([rec["val"]["sharpe"] for rec in r.history], np.float64)
+                / math.sqrt(r.trainer.market.bars_per_year) for _, r, _ in results]
+    trials = np.concatenate([v - v.mean() for v in per_fold])
     dsr = (deflated_sharpe_ratio(agent_returns, trials) if trials.size >= 2 else None)
     rows = []
     for fold, result, ev in results:
@@ -284,7 +287,7 @@ def stitched_report(results: list, bars_per_year: float, holding_bars: int,
 
 def summary_table(report: dict) -> str:
     """The per-fold table and the out-of-sample lines, as text."""
-    head = (f"{'fold':>4}  {'train from':<10}  {'validation':<10}  {'test from':<10}  "
+    head = (f"{'fold':>4}  {'data from':<10}  {'validation':<10}  {'test from':<10}  "
             f"{'test to':<10}  {'epoch':>5}  {'sharpe':>7}  {'return':>8}  {'B&H sh':>7}  "
             f"{'pct':>5}")
     lines = ["walk-forward: selected agent of each fold on its test block", head,
