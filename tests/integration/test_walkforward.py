@@ -12,7 +12,8 @@ import pytest
 from foxhunt_jax import api
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
-from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.research.walkforward import fold_tables, plan_folds, walkforward
 from market_files import bars_frame, write_csv
 
@@ -142,3 +143,17 @@ def test_bad_input_one_error_line_nothing_written(market_csv, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not out.exists()
+
+
+def test_data_window_keeps_exactly_its_bars(market_csv):
+    _, frame, path = market_csv
+    stamps = frame["Date"].to_numpy().astype("datetime64[ns]")
+    start, end = stamps[7], stamps[150]
+    market = load_market([str(path)], window=[str(start), str(end)])
+    (kept,) = market.instruments
+    assert np.array_equal(kept.timestamps, stamps[7:150])
+    assert np.array_equal(kept.close, frame["Close"].to_numpy()[7:150])
+    with pytest.raises(ConfigError, match="data.window"):
+        load_config("smoke", ["data.window=['2013-01-01', '2012-01-01']"])
+    with pytest.raises(DataError, match="data.window"):  # 63 bars: the warm-up alone
+        load_market([str(path)], window=[str(stamps[0]), str(stamps[63])])
