@@ -433,4 +433,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
-           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_walkforward", "human_duration"]
+           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_walkforward",
+           "human_duration"]

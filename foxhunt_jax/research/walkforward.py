@@ -27,7 +27,7 @@ import numpy as np
 from foxhunt_jax import api
 from foxhunt_jax.config import Config, replace, to_dict
 from foxhunt_jax.data.features import WARMUP, build_tables
-from foxhunt_jax.data.loader import load_market, window_market
+from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.research.significance import (block_bootstrap_ci, deflated_sharpe_ratio,
                                                sharpe_ratio)
@@ -168,7 +168,7 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
             f"{_day(fold.validation_start)}, test {_day(fold.test_start)} .. "
             f"before {_day(fold.test_end)} -> {run}")
         result = api.train(fold.config(cfg), run, resume=again, progress=False,
-                           log=lambda s: None)
+                           log=lambda line, k=fold.index: log(f"  [fold {k}] {line}"))
         evaluation = result.trainer.evaluate_split(result.selected_agent, "test")
         results.append((fold, result, evaluation))
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
@@ -345,4 +345,4 @@ def plot_walkforward(path: Path, report: dict) -> Path:
 
 
 __all__ = ["walkforward", "plan_folds", "fold_tables", "stitch", "stitched_report",
-           "summary_table", "plot_walkforward", "Fold", "WINDOWS", "PLAN_FILE"]
+           "summary_table", "plot_walkforward", "curve_metrics", "Fold", "WINDOWS", "PLAN_FILE"]

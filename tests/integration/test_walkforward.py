@@ -94,7 +94,8 @@ def test_stitched_curve_covers_exactly_the_test_blocks(market_csv, finished):
     assert folds[0].test_end == folds[1].test_start and folds[1].test_end > stamps[-1]
     # sliding over one block: fold 2's market starts with the warm-up before block 1
     # expanding: every fold's market starts at the data's first bar
-    assert folds[1].start == stamps[BLOCK] and folds[1].validation_start == stamps[WARMUP + BLOCK + BLOCK // 2]
+    assert folds[1].start == stamps[BLOCK]
+    assert folds[1].validation_start == stamps[WARMUP + BLOCK + BLOCK // 2]
     assert all(f.start == stamps[0] for f in plan_folds(cfg, 2, "expanding", **PLAN))
     curve = report["curve"]
     for name in ("agent", "buy_and_hold", "flat", "random_p5", "random_p95"):
