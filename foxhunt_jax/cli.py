@@ -322,7 +322,13 @@ def _args_walkforward(p: argparse.ArgumentParser) -> None:
                    help="folds: the data after the warm-up is cut into K + 1 blocks; fold k "
                         "trains on blocks before block k and tests on it")
     p.add_argument("--window", default="expanding",
-                   help="expanding (all earlier blocks, default) or sliding (the last 2)")
+                   help="expanding (all earlier blocks, default) or sliding (the last "
+                        "--sliding-blocks)")
+    p.add_argument("--sliding-blocks", metavar="N", default="2",
+                   help="blocks a sliding fold trains on (default 2)")
+    p.add_argument("--validation-fraction", metavar="F", default="0.2",
+                   help="the last part of each fold's training period that validates "
+                        "(default 0.2)")
     p.add_argument("--out", metavar="DIR", required=True,
                    help="new or empty folder; gets fold_1..fold_K run folders, "
                         "walkforward.json and walkforward.png")
@@ -341,12 +347,23 @@ def cmd_walkforward(args: argparse.Namespace) -> int:
         folds = int(args.folds)
     except ValueError:
         raise ConfigError(f"--folds must be an integer >= 1, got {args.folds!r}") from None
+    try:
+        sliding_blocks = int(args.sliding_blocks)
+    except ValueError:
+        raise ConfigError(f"--sliding-blocks must be an integer >= 1, got "
+                          f"{args.sliding_blocks!r}") from None
+    try:
+        validation_fraction = float(args.validation_fraction)
+    except ValueError:
+        raise ConfigError(f"--validation-fraction must be in (0, 1), got "
+                          f"{args.validation_fraction!r}") from None
     overrides = list(args.overrides)
     if args.data:
         overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
     cfg = load_config(args.config, overrides)
     enable_compilation_cache()
-    walkforward(cfg, folds, args.window, Path(args.out), resume=args.resume)
+    walkforward(cfg, folds, args.window, Path(args.out), resume=args.resume,
+                sliding_blocks=sliding_blocks, validation_fraction=validation_fraction)
     return 0
 
 

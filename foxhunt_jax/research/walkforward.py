@@ -72,10 +72,12 @@ def plan_folds(cfg: Config, folds: int, window: str = "expanding", sliding_block
         raise ConfigError(f"--folds must be an integer >= 1, got {folds!r}")
     if window not in WINDOWS:
         raise ConfigError(f"--window must be one of {', '.join(WINDOWS)}, got {window!r}")
-    if sliding_blocks < 1:
-        raise ConfigError(f"sliding_blocks must be >= 1, got {sliding_blocks!r}")
+    if isinstance(sliding_blocks, bool) or not isinstance(sliding_blocks, int) \
+            or sliding_blocks < 1:
+        raise ConfigError(f"--sliding-blocks must be an integer >= 1, got {sliding_blocks!r}")
     if not 0 < validation_fraction < 1:
-        raise ConfigError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+        raise ConfigError(f"--validation-fraction must be in (0, 1), got "
+                          f"{validation_fraction!r}")
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
                          window=cfg.data.window)
     stamps = [np.asarray(i.timestamps).astype("datetime64[ns]") for i in market.instruments]

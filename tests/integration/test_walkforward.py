@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from foxhunt_jax import api
+from foxhunt_jax import api, jitcache
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.data.loader import load_market
@@ -115,7 +115,9 @@ def test_stitched_curve_covers_exactly_the_test_blocks(market_csv, finished):
         assert (out / f"fold_{k}" / "report" / "summary.json").is_file()
 
 
-def test_second_walkforward_refuses_and_resume_continues(finished, capsys):
+def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, capsys,
+                                                        monkeypatch):
+    _, _, path = market_csv
     cfg, report, out = finished
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     with pytest.raises(ConfigError, match="not empty; pass --resume"):
@@ -123,9 +125,23 @@ def test_second_walkforward_refuses_and_resume_continues(finished, capsys):
     with pytest.raises(ConfigError, match="differ"):
         walkforward(cfg, 2, "expanding", out, resume=True, **OPTIONS)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
-    again = walkforward(cfg, 2, "sliding", out, resume=True, **OPTIONS)  # finished: no epoch
+    # the command, resumed: both folds are finished, so no epoch is trained and the same
+    # report is written again (the executable cache stays off in-process, conftest.py)
+    monkeypatch.setattr(jitcache, "enable_compilation_cache", lambda: None)
+    sets = [a for t in TINY for a in ("--set", t)]
+    capsys.readouterr()
+    assert main(["walkforward", "--config", "smoke", *sets, "--data", str(path), "--folds", "2",
+                 "--window", "sliding", "--sliding-blocks", "1", "--validation-fraction", "0.5",
+                 "--out", str(out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "out of sample" in printed
+    assert f"{out / 'walkforward.json'} and {out / 'walkforward.png'}" in printed
+    again = json.loads((out / "walkforward.json").read_text())
     assert [r["epochs"] for r in again["per_fold"]] == [2, 2]
-    assert again["out_of_sample"] == report["out_of_sample"]
+    first = json.loads(json.dumps(report["out_of_sample"]))
+    for stitched in (again["out_of_sample"], first):
+        stitched.pop("sharpe_bootstrap_95")  # the command draws 2,000 resamples, the test 200
+    assert again["out_of_sample"] == first
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -134,6 +150,7 @@ def test_second_walkforward_refuses_and_resume_continues(finished, capsys):
     (["--folds", "30"], "--folds 30: the 120 bar times"),
     (["--folds", "9"], "--folds 9: fold 1 trains on 12 bar times"),
     (["--folds", "2", "--window", "diagonal"], "--window must be one of expanding, sliding"),
+    (["--folds", "2", "--validation-fraction", "1"], "--validation-fraction must be in (0, 1)"),
 ])
 def test_bad_input_one_error_line_nothing_written(market_csv, tmp_path, capsys, argv, message):
     _, _, path = market_csv
