@@ -1,8 +1,12 @@
 """Library entry points: :func:`train` and :func:`evaluate` (the CLI is a thin layer over them).
 
     from foxhunt_jax import load_config, train, evaluate
-    result = train(load_config("smoke"), out_dir="runs/smoke")
+    result = train(load_config("smoke"), out_dir="runs/smoke",
+                   callbacks=[lambda record: print(record["epoch"], record["val"]["sharpe"])])
     report = evaluate("runs/smoke", split="test")
+
+Both turn on the same compilation caches as the CLI (``compile_cache=False`` leaves JAX's cache
+settings as they are) and print one line naming every file they wrote.
 """
 
 from __future__ import annotations
@@ -15,21 +19,26 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState
-from foxhunt_jax.config import Config, dump_yaml, from_dict, read_yaml, replace, to_dict
+from foxhunt_jax.agent.value_range import edge_mass_warning
+from foxhunt_jax.backend import resolve_config
+from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_yaml, replace,
+                                to_dict)
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
+from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
-from foxhunt_jax.training import checkpoint, report
+from foxhunt_jax.training import checkpoint, report, validate
 from foxhunt_jax.training.phases import TrainerState, all_finite
+from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder,
+                                         checkpoint_steps, open_run, read_metrics, to_jsonable)
 from foxhunt_jax.training.selection import Selection
-from foxhunt_jax.training.rundir import (RunWriter, check_run_folder, open_run, read_metrics,
-                                         to_jsonable)
+from foxhunt_jax.training.trades import walk_trades, write_trades_csv
 from foxhunt_jax.training.trainer import Trainer
 
 
@@ -43,25 +52,38 @@ class TrainResult:
     selected_agent: AgentState | None = None  # that agent on the host (its network selected)
 
 
+EpochCallback = Callable[[dict], None]
+
+
 def phase_line(rec: dict, epochs: int) -> str:
-    """One epoch in the seed's phase form."""
+    """One epoch: phase times, loss, epsilon, validation against buy-and-hold. Init and Compile
+    are shown only on the epoch that paid them (they are 0 on the others)."""
     ms = rec["phase_ms"]
     val, bh = rec["val"], rec["val_buy_and_hold"]
     head = " | ".join(f"{k.capitalize()} {ms[k]:8.1f}" for k in
-                      ("init", "compile", "experience", "training", "validation", "total"))
+                      ("init", "compile", "experience", "training", "validation", "total")
+                      if k not in ("init", "compile") or ms[k] > 0)
     return (f"epoch {rec['epoch']:>3}/{epochs} | {head} ms | loss {rec['loss']:.4f} | "
             f"eps {rec['epsilon']:.2f} | val sharpe {val['sharpe']:+.2f} (B&H {bh['sharpe']:+.2f}) "
             f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
 
 
-def compile_line(rec: dict, trainer: Trainer) -> str:
+def compile_line(trainer: Trainer) -> str:
     """How the phase programs were obtained: compiled, or loaded from the executable cache."""
-    ms, loaded = rec["phase_ms"], trainer.executables_loaded
+    loaded = trainer.executables_loaded
     how = (f"{loaded} of {len(trainer.pipeline.programs)} loaded from the executable cache"
            if loaded
            else "compiled; none was in the executable cache")
-    return (f"phase programs ready in {ms['compile'] / 1e3:.1f} s ({how}); state init "
-            f"{ms['init'] / 1e3:.1f} s")
+    return (f"phase programs ready in {trainer.compile_ms / 1e3:.1f} s ({how}); state init "
+            f"{trainer.init_ms / 1e3:.1f} s")
+
+
+def use_compile_cache(enabled: bool) -> None:
+    """The CLI's caches (:func:`~foxhunt_jax.jitcache.enable_compilation_cache`: JAX's persistent
+    cache and the executable cache, in ``$FOXHUNT_JAX_CACHE`` or ``~/.cache/foxhunt-jax/xla``)
+    unless ``enabled`` is False or this process already chose a JAX compilation cache folder."""
+    if enabled and not jax.config.jax_compilation_cache_dir:
+        enable_compilation_cache()
 
 
 def _check_finite(state: TrainerState, rec: dict) -> None:
@@ -89,8 +111,20 @@ def _metadata(cfg: Config, epoch: int, selection: Selection) -> dict:
 
 def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = False,
           progress: bool | None = None, log: Callable[[str], None] | None = None,
-          final_report: bool = True, devices: list | None = None) -> TrainResult:
+          callbacks: Sequence[EpochCallback] = (), log_to: Sequence[str] = LOG_WRITERS,
+          compile_cache: bool = True, final_report: bool = True,
+          devices: list | None = None) -> TrainResult:
     """Trains for ``cfg.train.epochs`` epochs; with ``out_dir`` writes the run directory.
+
+    ``callbacks``: each is called on process 0 after every epoch (once its checkpoint, if any,
+    is saved) as ``callback(record)`` with the epoch's record, the dict written as one line of
+    ``metrics.jsonl`` (JSON types; nested: ``record["val"]["sharpe"]``;
+    :func:`foxhunt_jax.training.rundir.flatten` gives the TensorBoard names such as
+    ``"val/sharpe"``). An exception in a callback stops the run with the epoch recorded.
+    ``log_to``: the run folder's writers, from ``("jsonl", "tensorboard")``; ``metrics.jsonl``
+    is written whatever it says (resume and the report read it), so it chooses whether
+    TensorBoard event files are written too. ``compile_cache``: :func:`use_compile_cache`.
+    ``log``: where the text lines go (default: print on process 0).
 
     ``out_dir`` is checked, marked and locked first (:func:`foxhunt_jax.training.rundir.open_run`):
     a file, a folder that cannot be written, a non-empty folder that holds no run, a fresh start
@@ -116,9 +150,14 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     log = log or ((lambda s: print(s, flush=True)) if lead else (lambda s: None))
     if not lead:
         progress = False
+    unknown = sorted(set(log_to) - set(LOG_WRITERS))
+    if unknown:
+        raise ConfigError(f"--log: unknown writer {', '.join(unknown)} (known: "
+                          f"{', '.join(LOG_WRITERS)})")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ConfigError("--resume needs the run folder (--out)")
+    cfg = resolve_config(cfg, devices[0] if devices else None)  # config.yaml records it
     if out is not None:
         # process 0, the writer, checks, marks and locks the folder before any data or compile
         # work (the others would race with its first writes)
@@ -126,16 +165,23 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
             check_run_folder(out, resume)
         if resume:
             saved = from_dict(read_yaml(out / "config.yaml"))
-            if replace(saved, train={"epochs": cfg.train.epochs}) != cfg:
-                raise ConfigError(f"--resume: the config differs from {out}/config.yaml "
-                                  "(only train.epochs may change)")
-        writer = open_run(out, dump_yaml(cfg), resume=resume,
+            if cfg.network.support == "auto":  # config.yaml records the range auto derived
+                cfg = replace(cfg, network={k: getattr(saved.network, k)
+                                            for k in ("support", "v_min", "v_max")})
+            changed = differences(replace(saved, train={"epochs": cfg.train.epochs}), cfg)
+            if changed:
+                keys = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, a, b in changed)
+                raise ConfigError(f"--resume: the config differs from {out}/config.yaml ({keys}); "
+                                  "only train.epochs may change")
+        writer = open_run(out, dump_yaml(cfg), resume=resume, tensorboard="tensorboard" in log_to,
                           process_index=jax.process_index(), warn=_warn if lead else None)
     else:
         writer = None
+    use_compile_cache(compile_cache)
     try:
         return _train(cfg, out, writer, resume=resume, progress=progress, log=log,
-                      final_report=final_report, devices=devices)
+                      callbacks=tuple(callbacks) if lead else (), final_report=final_report,
+                      devices=devices)
     except BaseException:
         if writer is not None:  # a start that failed before its first epoch leaves nothing
             writer.discard_if_unused()
@@ -150,10 +196,14 @@ def _warn(line: str) -> None:
 
 
 def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
-           progress: bool | None, log: Callable[[str], None], final_report: bool,
+           progress: bool | None, log: Callable[[str], None],
+           callbacks: tuple[EpochCallback, ...], final_report: bool,
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     trainer = Trainer.build(cfg, devices=devices)
+    cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
+    if writer is not None and not resume:
+        writer.write_config(dump_yaml(cfg))
     if trainer.mesh.devices.size > 1 or jax.process_count() > 1:
         log(f"data parallel: {cfg.train.shards} shards on {parallel.describe(trainer.mesh)}")
     note = parallel.unused_devices_note(trainer.mesh, cfg.train.shards)
@@ -178,28 +228,40 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     history = read_metrics(out) if (resume and out is not None) else []
 
     epochs, patience = cfg.train.epochs, cfg.train.patience
-    bar = _progress(progress, epochs, int(state.epoch))
     epoch = int(state.epoch)
     selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
+
+    def queue_after(epoch: int, selection: Selection) -> tuple[bool, bool]:
+        """(save, queue_next) of the epoch after ``epoch``: queue the next epoch's Experience
+        and Training behind it (their launches then overlap GPU work) unless its state is to
+        be checkpointed or it may be the last (early stopping)."""
+        save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
+                                    or epoch + 1 == epochs)
+        may_stop = patience > 0 and selection.stale + 1 >= patience
+        return save, epoch + 1 < epochs and not save and not may_stop
+
+    if epoch < epochs and not selection.stops(patience):
+        log("compiling the phase programs (or loading them from the executable cache) ...")
+        trainer.compile(state, queued=queue_after(epoch, selection)[1])
+        log(compile_line(trainer))
+    bar = _progress(progress, epochs, epoch)
+    warned = False
     try:
         while epoch < epochs and not selection.stops(patience):
-            # Queue the next epoch's Experience and Training behind this epoch (their launches
-            # then overlap GPU work) unless this epoch's state is to be checkpointed or may be
-            # the last (early stopping).
-            scheduled = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
-                                             or epoch + 1 == epochs)
-            may_stop = patience > 0 and selection.stale + 1 >= patience
-            state, rec = trainer.run_epoch(
-                state, queue_next=epoch + 1 < epochs and not scheduled and not may_stop)
+            scheduled, queue_next = queue_after(epoch, selection)
+            state, rec = trainer.run_epoch(state, queue_next=queue_next)
             epoch = rec["epoch"]
             _check_finite(state, rec)
             selection, improved = selection.update(rec)
             if improved:
                 selected_params, unsaved = trainer.validated_params, True
             rec.update(selection.record_fields(rec))
-            if rec["phase_ms"]["compile"] > 0:  # the first epoch of this process
-                (bar.console.print if bar else log)(compile_line(rec, trainer))
             history.append(rec)
+            warning = None if warned else edge_mass_warning(
+                rec["epoch"], rec["support_edge_mass"], cfg.network.v_min, cfg.network.v_max)
+            if warning:  # once a run: the record of every epoch holds the number
+                (bar.console.print if bar else log)(warning)
+                warned = True
             if writer is not None:
                 writer.log(rec)
             if rec["epoch"] % cfg.train.log_every == 0 or rec["epoch"] == epochs:
@@ -215,6 +277,10 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
                     unsaved = False
                 checkpoint.save(out / "checkpoints", rec["epoch"], state,
                                 _metadata(cfg, rec["epoch"], selection))
+            if callbacks:
+                record = to_jsonable(rec)  # the metrics.jsonl line
+                for callback in callbacks:
+                    callback(record)
             if stop:
                 (bar.console.print if bar else log)(
                     f"early stop after epoch {epoch}: validation {selection.metric} has not "
@@ -225,10 +291,12 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     finally:
         if bar:
             bar.stop()
-    summary = {}
+    summary, written = {}, []
     agent = _selected_agent(trainer, state, out, selection, selected_params)
     if final_report:
-        summary = _final_report(trainer, agent, state, selection, history, out, log)
+        summary, written = _final_report(trainer, agent, state, selection, history, out, log)
+    if out is not None and jax.process_index() == 0:
+        log(wrote_line(out, written, tensorboard=writer is not None and writer.tensorboard))
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary,
                        selection=selection, selected_agent=agent)
 
@@ -250,6 +318,17 @@ def _selected_agent(trainer: Trainer, state: TrainerState, out: Path | None,
     return run_agent(out, state, "selected")[0]
 
 
+def wrote_line(out: Path, report_files: Sequence[Path], tensorboard: bool) -> str:
+    """The last line of a run: every file and folder it wrote in ``out``. Reads the folder
+    only (process 0 calls it alone: opening an orbax manager would wait for the others)."""
+    steps = checkpoint_steps(out)
+    parts = ["config.yaml", "normalization.json", "metrics.jsonl",
+             f"checkpoints/ (latest epoch {steps[-1] if steps else None})"]
+    parts += ["tb/ (TensorBoard events)"] if tensorboard else []
+    parts += [str(Path(p).relative_to(out)) for p in report_files]
+    return f"wrote {out}: " + ", ".join(parts)
+
+
 def _progress(enabled: bool | None, total: int, done: int):
     if enabled is None:
         enabled = sys.stderr.isatty()
@@ -264,9 +343,11 @@ def _progress(enabled: bool | None, total: int, done: int):
 
 
 def _final_report(trainer: Trainer, agent: AgentState, state: TrainerState,
-                  selection: Selection, history: list[dict], out: Path | None, log) -> dict:
+                  selection: Selection, history: list[dict], out: Path | None,
+                  log) -> tuple[dict, list[Path]]:
     """Full walks of the validation and test splits by ``agent`` (the selected one, on the
-    host: every process evaluates its own copy), the summary and the report files."""
+    host: every process evaluates its own copy), the summary and the report files written
+    (process 0)."""
     summary: dict[str, Any] = {"epochs": int(state.epoch),
                                "bars_per_year": trainer.market.bars_per_year,
                                "agent": "selected", "selected_epoch": selection.epoch,
@@ -277,13 +358,14 @@ def _final_report(trainer: Trainer, agent: AgentState, state: TrainerState,
         f"{selection.metric} {selection.value:+.4g}, train.select_by)")
     evaluations = {}
     for split in ("validation", "test"):
+        log(f"final walk of the {split} split (agent, baselines) ...")
         evaluations[split] = trainer.evaluate_split(agent, split)
         summary[split] = evaluations[split]["metrics"]
         log(report.evaluation_table(summary[split], title=f"{split} split (full walk, "
                                                            "equal-weight portfolio)"))
     if out is not None and jax.process_index() == 0:
-        report.write_report(out, summary, evaluations, history)
-    return summary
+        return summary, report.write_report(out, summary, evaluations, history)
+    return summary, []
 
 
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
@@ -360,40 +442,58 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
 
 
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
-             log: Callable[[str], None] | None = None, agent: str = "selected") -> dict:
+             log: Callable[[str], None] | None = None, agent: str = "selected",
+             compile_cache: bool = True) -> dict:
     """Greedy full-split evaluation of a trained run against buy-and-hold, flat and the random
     policies.
 
     ``data`` evaluates the trained agent on other market data (same features and config).
     ``agent``: ``"selected"`` (the epoch chosen on validation) or ``"last"`` (:func:`run_agent`).
-    Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data),
-    names it in a line, and returns its ``metrics``: the layout of
-    :func:`~foxhunt_jax.training.metrics.evaluation_results` (portfolio metrics by policy,
-    ``random`` percentiles, ``agent_percentile``, ``per_instrument``).
+    Writes :func:`evaluation_path` (``report/evaluate_<split>.json`` on the run's own data)
+    and beside it, with the same name: ``.png``, the equity (with the random band), drawdown
+    and exposure of the split's portfolios by date, and ``_trades.csv``, the agent's trades
+    (:func:`foxhunt_jax.training.metrics.trade_log`); names them in a line and returns its
+    ``metrics``: the layout of :func:`~foxhunt_jax.training.metrics.evaluation_results`
+    (portfolio metrics by policy, ``random`` percentiles, ``agent_percentile``,
+    ``per_instrument``). ``compile_cache``: :func:`use_compile_cache`.
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
     if agent not in AGENTS:
         raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
     log = log or print
+    use_compile_cache(compile_cache)
     t0 = time.perf_counter()
     trainer, state = load_run(run_dir, data)
+    log(f"walking the {split} split greedily (agent, baselines) ...")
     policy, info = run_agent(run_dir, state, agent)
-    metrics = trainer.evaluate_split(policy, split)["metrics"]
+    res = trainer.evaluate_split(policy, split)
+    metrics = res["metrics"]
     log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
                                               f"portfolio), {agent_text(info)}"))
     run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
     path = evaluation_path(run_dir, split, data, run_data, agent)
+    params, starts, lengths = validate.evaluation_params(trainer.tables, trainer.cfg.env, split)
+    trades = walk_trades(params, starts, lengths, res["paths"]["agent"]["action"],
+                         trainer.tables, trainer.cfg)
     payload = {"split": split, "data": data or list(trainer.cfg.data.source), "agent": info,
+               "instruments": [trainer.tables.instrument_names[int(trainer.tables.instrument[s])]
+                               for s in starts],
                "seconds": time.perf_counter() - t0, "metrics": metrics}
+    written = []
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(to_jsonable(payload), indent=2))
         os.replace(tmp, path)
+        written.append(path)
+        written.append(report.plot_equity(path.with_suffix(".png"), res,
+                                          f"Equal-weight portfolio on the {split} split"))
+        written.append(write_trades_csv(path.with_name(path.stem + "_trades.csv"), trades))
     except OSError as e:
-        raise FoxhuntError(f"cannot write {path} ({(e.strerror or str(e)).lower()})") from None
-    log(f"evaluation written to {path}")
+        raise FoxhuntError(f"cannot write {e.filename or path} "
+                           f"({(e.strerror or str(e)).lower()})") from None
+    log(f"evaluation written to {', '.join(map(str, written))} ({len(trades)} trades)")
     return metrics
 
 

@@ -19,6 +19,20 @@ from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, FoxhuntError
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already states its default
+    or the option is a flag or has no default (those state it in words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text.lower() or action.nargs == 0 or action.default is None
+                or action.default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        shown = (",".join(map(str, action.default)) if isinstance(action.default, list)
+                 else str(action.default))
+        return f"{text} (default: {shown.replace('%', '%%')})"  # help text is %-formatted
+
+
 @dataclass(frozen=True)
 class Command:
     path: tuple[str, ...]  # ("data", "check") is `foxhunt-jax data check`
@@ -103,7 +117,8 @@ def _args_data_check(p: argparse.ArgumentParser) -> None:
                         "instruments pooled, one calendar boundary for all (default "
                         "0.7,0.15,0.15)")
     p.add_argument("--split-dates", metavar="VALIDATION_START,TEST_START", default=None,
-                   help="calendar boundaries in place of --splits, e.g. 2009-01-01,2011-01-01")
+                   help="calendar boundaries in place of --splits, e.g. 2009-01-01,2011-01-01 "
+                        "(default: none)")
     p.add_argument("--episode-length", default=None, metavar="L",
                    help="env.episode_length: an instrument contributes to a split only with at "
                         "least L + 1 bars there (default: the config default, 100)")
@@ -146,8 +161,64 @@ def cmd_data_check(args: argparse.Namespace) -> int:
               f"splits by calendar time, the same for every instrument: {windows} "
               f"({boundaries.rule})\n"
               f"counts are bars after each instrument's warm-up; * fewer than {needed} "
-              f"(env.episode_length + 1): the instrument contributes none of them there")
+              f"(env.episode_length + 1): the instrument contributes none of them there\n"
+              f"a check: nothing written")
     _render_table(headers, rows, title, footer)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# config show / config keys
+
+
+def _args_config_show(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default="default",
+                   help="YAML config: a path or a name in configs/")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted override, as for train (repeatable; default: none)")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="write the YAML to this new file instead of stdout (default: stdout)")
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    """The resolved config as YAML, each key commented with its meaning and default."""
+    from pathlib import Path
+
+    from foxhunt_jax.config import load_config, resolve_config_path, show_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    source = str(resolve_config_path(args.config))
+    origin = f"# resolved from {source}" + (f" with {' '.join(args.overrides)}"
+                                             if args.overrides else "")
+    text = f"{origin}\n{show_yaml(cfg)}"
+    if args.out is None:
+        sys.stdout.write(text)
+        print("# written to stdout; `foxhunt-jax config show --out FILE` writes a file")
+        return 0
+    out = Path(args.out)
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; config show never replaces a file")
+    try:
+        with open(out, "x") as f:
+            f.write(text)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out} ({(e.strerror or str(e)).lower()})") from None
+    print(f"config written to {out} (train --config {out} runs it)")
+    return 0
+
+
+def _args_config_keys(p: argparse.ArgumentParser) -> None:
+    del p  # no options
+
+
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    """Every dotted key with its type, default and meaning."""
+    from foxhunt_jax.config import keys, yaml_line
+
+    rows = [(k.key, k.type, yaml_line(k.default), k.meaning) for k in keys()]
+    _render_table(("key", "type", "default", "meaning"), rows, "config keys",
+                  f"{len(rows)} keys; set one with --set KEY=VALUE or in a YAML file "
+                  "(foxhunt-jax config show prints a full one); nothing written")
     return 0
 
 
@@ -159,26 +230,36 @@ def _args_train(p: argparse.ArgumentParser) -> None:
                    help="YAML config: a path or a name in configs/ (default: default; with "
                         "--resume, the run's own DIR/config.yaml)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                   help="dotted override, e.g. --set train.epochs=5 (repeatable)")
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable; default: none; "
+                        "`foxhunt-jax config keys` lists the keys)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
-                   help="market data replacing data.source (repeatable)")
+                   help="market data replacing data.source (repeatable; default: the config's)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="run directory: new, empty, or a run of this program (default: "
                         "runs/<config>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint in --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log", metavar="WRITERS", default="jsonl,tensorboard",
+                   help="comma-separated epoch-record writers: jsonl (metrics.jsonl, always "
+                        "written: resume and the report read it) and tensorboard (tb/ event "
+                        "files); --log jsonl writes no event files")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (without a terminal there is none anyway)")
     g = p.add_argument_group(
         "several processes (hosts)",
         "every process runs the same command with its own --process-id; defaults come from "
         "FOXHUNT_COORDINATOR, FOXHUNT_NUM_PROCESSES, FOXHUNT_PROCESS_ID, FOXHUNT_DISTRIBUTED")
     g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                   help="address of process 0's coordination service")
-    g.add_argument("--num-processes", metavar="K", default=None, help="number of processes")
-    g.add_argument("--process-id", metavar="I", default=None, help="this process, 0..K-1")
+                   help="address of process 0's coordination service (default: "
+                        "FOXHUNT_COORDINATOR, else one process)")
+    g.add_argument("--num-processes", metavar="K", default=None,
+                   help="number of processes (default: FOXHUNT_NUM_PROCESSES, else 1)")
+    g.add_argument("--process-id", metavar="I", default=None,
+                   help="this process, 0..K-1 (default: FOXHUNT_PROCESS_ID, else 0)")
     g.add_argument("--distributed", choices=("auto", "off"), default=None,
                    help="auto: let jax.distributed.initialize detect the cluster (Slurm, Open "
-                        "MPI, ...) for whatever the flags above leave out")
+                        "MPI, ...) for whatever the flags above leave out (default: "
+                        "FOXHUNT_DISTRIBUTED, else off)")
 
 
 def distributed_from_args(args: argparse.Namespace):
@@ -199,9 +280,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from foxhunt_jax import api
     from foxhunt_jax.config import load_config
-    from foxhunt_jax.jitcache import enable_compilation_cache
 
-    enable_compilation_cache()
     overrides = list(args.overrides)
     if args.data:
         overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
@@ -211,38 +290,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = out / "config.yaml"
         config = str(saved) if args.resume and saved.is_file() else "default"
     cfg = load_config(config, overrides)
-    # api.train checks, marks and locks --out before it loads data or compiles
-    api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None)
-    import jax
-
-    if jax.process_index() == 0:
-        print(f"run directory: {out} (report in {out / 'report'})")
+    writers = tuple(w.strip() for w in args.log.split(",") if w.strip())
+    # api.train turns the compilation caches on, checks, marks and locks --out before it loads
+    # data or compiles, and ends with a line naming what it wrote
+    api.train(cfg, out, resume=args.resume, progress=False if args.no_progress else None,
+              log_to=writers)
     return 0
 
 
 def _args_evaluate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
-    p.add_argument("--split", choices=("validation", "test"), default="test")
+    p.add_argument("--run", metavar="DIR", required=True,
+                   help="a run directory written by train (required)")
+    p.add_argument("--split", choices=("validation", "test"), default="test",
+                   help="the split walked greedily from its first bar to its last")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
-                   help="evaluate on other market data (repeatable); written to "
-                        "report/evaluate_<split>_<names>-<digest>.json")
+                   help="evaluate on other market data (repeatable; default: the run's own "
+                        "data); written to report/evaluate_<split>_<names>-<digest>.*")
     p.add_argument("--agent", choices=("selected", "last"), default="selected",
-                   help="selected: the epoch chosen on validation (train.select_by; default); "
-                        "last: the last checkpoint (written to report/evaluate_<split>_last.json)")
+                   help="selected: the epoch chosen on validation (train.select_by); last: the "
+                        "last checkpoint (written to report/evaluate_<split>_last.*) "
+                        "(default: selected)")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from foxhunt_jax import api
-    from foxhunt_jax.jitcache import enable_compilation_cache
 
-    enable_compilation_cache()
-    api.evaluate(args.run, split=args.split, data=args.data, agent=args.agent)
+    api.evaluate(args.run, split=args.split, data=args.data,
+                 agent=args.agent)  # turns the compile cache on
     return 0
 
 
 def _args_act(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="DIR", required=True,
-                   help="a run directory written by train, or a folder written by export")
+                   help="a run directory written by train, or a folder written by export "
+                        "(required)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="bars to decide on (repeatable; default: the run's own data)")
     p.add_argument("--at", metavar="TIMESTAMP", default=None,
@@ -260,15 +341,15 @@ def _args_act(p: argparse.ArgumentParser) -> None:
     g.add_argument("--units", metavar="U", type=float, default=None,
                    help="units held (default: position * equity / entry price)")
     g.add_argument("--take-profit-price", metavar="PRICE", type=float, default=None,
-                   help="its take-profit level")
+                   help="its take-profit level (default: none)")
     g.add_argument("--stop-loss-price", metavar="PRICE", type=float, default=None,
-                   help="its stop-loss level")
+                   help="its stop-loss level (default: none)")
     g.add_argument("--bars-held", metavar="N", type=int, default=0,
                    help="bars since it was opened")
     g.add_argument("--equity", metavar="E", type=float, default=1.0,
                    help="equity at the decision bar's close (the run started at 1)")
     p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write the decisions as JSON")
+                   help="also write the decisions as JSON (default: none)")
 
 
 def cmd_act(args: argparse.Namespace) -> int:
@@ -293,9 +374,10 @@ def cmd_act(args: argparse.Namespace) -> int:
 
 
 def _args_export(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", metavar="DIR", required=True, help="a run directory written by train")
+    p.add_argument("--run", metavar="DIR", required=True,
+                   help="a run directory written by train (required)")
     p.add_argument("--out", metavar="DIR2", required=True,
-                   help="the export folder to write (must not exist or be empty)")
+                   help="the export folder to write (required; must not exist or be empty)")
     p.add_argument("--agent", choices=("selected", "last"), default="selected",
                    help="as for act")
 
@@ -390,6 +472,10 @@ COMMANDS: tuple[Command, ...] = (
             "instrument", _args_act, cmd_act),
     Command(("export",), "write a self-contained policy (jax.export program, parameters, "
             "statistics) that loads with jax and numpy only", _args_export, cmd_export),
+    Command(("config", "show"), "print the resolved configuration as YAML, every key with its "
+            "meaning and default", _args_config_show, cmd_config_show),
+    Command(("config", "keys"), "list every config key with its type, default and meaning",
+            _args_config_keys, cmd_config_keys),
     Command(("walkforward",), "train and test K folds through time; stitch the test blocks into "
             "one out-of-sample equity curve with its significance", _args_walkforward,
             cmd_walkforward),
@@ -414,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
             leaf = depth == len(cmd.path)
             sub = groups[prefix[:-1]].add_parser(
                 prefix[-1], help=cmd.help if leaf else f"{prefix[-1]} commands",
-                description=cmd.help if leaf else None)
+                description=cmd.help if leaf else None, formatter_class=DefaultsHelpFormatter)
             parsers[prefix] = sub
             if leaf:
                 cmd.add_arguments(sub)
@@ -450,5 +536,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
-           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_walkforward",
-           "human_duration"]
+           "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_config_show",
+           "cmd_config_keys", "cmd_walkforward", "human_duration"]

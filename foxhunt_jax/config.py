@@ -30,33 +30,47 @@ SEED_RANGE = (0, 2**32 - 1)
 INT_LIMIT = 2**31 - 1  # every other integer key reaches the jitted programs as an int32
 
 
+def setting(default: Any = dataclasses.MISSING, meaning: str = "", *,
+            factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its one-line meaning (``metadata["meaning"]``), the one source of the
+    text ``foxhunt-jax config show`` and ``config keys`` print."""
+    return field(default=default, default_factory=factory, metadata={"meaning": meaning})
+
+
 @dataclass(frozen=True)
 class SyntheticConfig:
     """Parameters of ``builtin:synthetic`` (see :mod:`foxhunt_jax.data.synthetic`)."""
 
-    instruments: int = 4
-    bars: int = 3000
-    signal_strength: float = 0.3  # correlation of the planted feature with the next log return
-    volatility: float = 0.01  # per-bar std of log returns
-    seed: int = 0
+    instruments: int = setting(4, "number of instruments generated")
+    bars: int = setting(3000, "bars per instrument")
+    signal_strength: float = setting(
+        0.3, "lag-1 autocorrelation of the log returns (the planted AR(1) signal; 0 = none)")
+    volatility: float = setting(0.01, "standard deviation of the one-bar log returns")
+    seed: int = setting(0, "seed of the generator")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: tuple[str, ...] = ("builtin:us_stocks_daily",)  # paths or builtin:NAME
-    # train, validation, test: fractions of the distinct bar times of all instruments pooled,
-    # giving one calendar boundary for every instrument (foxhunt_jax.data.features.split_boundaries)
-    splits: tuple[float, float, float] = (0.70, 0.15, 0.15)
-    # [validation_start, test_start] (ISO dates or times) in place of the fractions; () = unset
-    split_dates: tuple[str, ...] = ()
-    # [start, end] (ISO dates or times): only bars with start <= time < end are loaded, the
-    # market a walk-forward fold sees (foxhunt_jax.data.loader.window_market); () = every bar
-    window: tuple[str, ...] = ()
-    sort: bool = False  # sort unsorted timestamps instead of rejecting the file
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    # the feature columns, in order: built-in names, user ones (foxhunt_jax.data.features.register)
-    # or glob patterns (vol_*), resolved by validate into the names (docs/features.md)
-    features: tuple[str, ...] = DEFAULT_FEATURES
+    source: tuple[str, ...] = setting(("builtin:us_stocks_daily",),
+                                      "market data: CSV/Parquet paths or builtin:NAME")
+    # one calendar boundary for every instrument (foxhunt_jax.data.features.split_boundaries)
+    splits: tuple[float, float, float] = setting(
+        (0.70, 0.15, 0.15), "train, validation, test fractions of the distinct bar times of all "
+                            "instruments pooled, by time")
+    split_dates: tuple[str, ...] = setting(
+        (), "[validation_start, test_start] (ISO dates or times) in place of the fractions; "
+            "[] = unset")
+    # the market a walk-forward fold sees (foxhunt_jax.data.loader.window_market)
+    window: tuple[str, ...] = setting(
+        (), "[start, end] (ISO dates or times): load only bars with start <= time < end; "
+            "[] = every bar")
+    sort: bool = setting(False, "sort unsorted timestamps instead of rejecting the file")
+    synthetic: SyntheticConfig = setting(factory=SyntheticConfig,
+                                         meaning="the builtin:synthetic market")
+    # resolved by validate into the names (docs/features.md)
+    features: tuple[str, ...] = setting(
+        DEFAULT_FEATURES, "market feature columns in order: built-in or registered names, or "
+                          "patterns like vol_* (docs/features.md)")
 
 
 FILLS = ("next_open", "close")  # env.fill values
@@ -64,19 +78,22 @@ FILLS = ("next_open", "close")  # env.fill values
 
 @dataclass(frozen=True)
 class EnvConfig:
-    episode_length: int = 100  # L: steps before truncation
-    exposures: tuple[float, ...] = (-1.0, -0.5, 0.0, 0.5, 1.0)  # branch 0: target exposure
-    take_profit: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 1: TP multiple of sigma; () = off
-    stop_loss: tuple[float, ...] = (1.0, 2.0, 3.0)  # branch 2: SL multiple of sigma; () = off
-    time_barrier: int = 20  # H: bars a position may be held before it is closed
-    cost_bps: float = 2.0  # commission + half-spread, basis points of traded notional
-    # where the decision made at bar t's close fills: "next_open" (the open of bar t+1, the
-    # earliest a real order can fill) or "close" (the close of bar t itself, optimistic)
-    fill: str = "next_open"
-    slippage_bps: float = 0.0  # every fill price moved against the trade by this many bps
-    fixed_cost: float = 0.0  # per trade, in units of initial equity
-    ruin_floor: float = 0.5  # terminate when equity < ruin_floor * initial equity
-    reward_scale: float = 100.0  # reward = reward_scale * log(equity change)
+    episode_length: int = setting(100, "L: steps of an episode before it is truncated")
+    exposures: tuple[float, ...] = setting(
+        (-1.0, -0.5, 0.0, 0.5, 1.0), "branch 0: target exposures, signed fractions of equity")
+    take_profit: tuple[float, ...] = setting(
+        (1.0, 2.0, 3.0), "branch 1: take-profit distances in multiples of sigma; [] = off")
+    stop_loss: tuple[float, ...] = setting(
+        (1.0, 2.0, 3.0), "branch 2: stop-loss distances in multiples of sigma; [] = off")
+    time_barrier: int = setting(20, "H: bars a position may be held before it is closed")
+    cost_bps: float = setting(2.0, "commission + half-spread, basis points of traded notional")
+    fill: str = setting("next_open", "where a decision at bar t's close fills: next_open (bar "
+                                     "t+1's open) or close (bar t's close, optimistic)")
+    slippage_bps: float = setting(0.0, "every fill price moved against the trade by this many "
+                                       "basis points")
+    fixed_cost: float = setting(0.0, "cost per trade, in units of initial equity")
+    ruin_floor: float = setting(0.5, "episode ends when equity < ruin_floor * initial equity")
+    reward_scale: float = setting(100.0, "reward = reward_scale * log(equity change)")
 
     @property
     def branch_sizes(self) -> tuple[int, ...]:
@@ -85,96 +102,103 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    trunk: tuple[int, ...] = (256, 256)
-    head: int = 160  # hidden width of the value stream and of each advantage stream
-    atoms: int = 11
-    v_min: float = -10.0
-    v_max: float = 10.0
-    dtype: str = "float32"  # "float32" or "bfloat16" (matrix inputs; params and logits stay f32)
-    # collection, validation and inference (foxhunt_jax.backend.resolve): "xla" (lax.scan over
-    # the Flax layers and the jnp env step), "pallas" (Pallas kernels: the whole trading rollout
-    # in one kernel and the fused Q-forward; bfloat16 only, where they are faster than XLA;
-    # interpreted, slowly, off CUDA GPUs) or "auto": pallas on a CUDA GPU with bfloat16, else
-    # xla. Training always uses the Flax layers.
-    backend: str = "auto"
+    trunk: tuple[int, ...] = setting((256, 256), "widths of the shared trunk's hidden layers")
+    head: int = setting(160, "hidden width of the value stream and of each advantage stream")
+    atoms: int = setting(11, "C51 atoms of each return distribution")
+    # auto: the trainer derives [v_min, v_max] from the training split's returns
+    # (foxhunt_jax.agent.value_range) and the run's config.yaml records them as explicit
+    support: str = setting("auto", "the C51 support: auto (from the returns the env produces) or "
+                                   "explicit (v_min, v_max as given)")
+    v_min: float = setting(-10.0, "lowest atom of the support (network.support=explicit)")
+    v_max: float = setting(10.0, "highest atom of the support (network.support=explicit)")
+    # auto is resolved once per run, on its device (foxhunt_jax.backend.resolve_config), and the
+    # run's config.yaml records the result
+    dtype: str = setting("auto", "matrix inputs: float32, bfloat16 (params and logits stay f32) "
+                                 "or auto (bfloat16 on a CUDA GPU, else float32)")
+    # pallas: the whole trading rollout in one kernel (pallas_kernels/rollout.py) and the fused
+    # Q-forward, bfloat16 only (the float32 kernel loses to XLA, docs/performance.md),
+    # interpreted (slowly) off CUDA GPUs; resolved once by foxhunt_jax.backend.resolve.
+    # Training always uses the Flax layers.
+    backend: str = setting("auto", "collection/validation/inference: xla, pallas, or auto "
+                                   "(pallas on a CUDA GPU with bfloat16, else xla)")
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    capacity: int = 1 << 17
-    alpha: float = 0.6  # 0 gives uniform sampling
-    beta_start: float = 0.4
-    beta_end: float = 1.0
-    priority_eps: float = 1e-6
+    capacity: int = setting(1 << 17, "transitions the prioritized replay buffer holds")
+    alpha: float = setting(0.6, "priority exponent; 0 gives uniform sampling")
+    beta_start: float = setting(0.4, "importance-sampling exponent at the first epoch")
+    beta_end: float = setting(1.0, "importance-sampling exponent at the last epoch")
+    priority_eps: float = setting(1e-6, "added to every priority so none is zero")
 
 
 @dataclass(frozen=True)
 class CuriosityConfig:
-    coef: float = 0.01  # 0 turns curiosity off (reward is exactly extrinsic)
-    hidden: int = 128
-    embed: int = 32
-    learning_rate: float = 1e-4
-    # GEMMs of the curiosity pass (1,024 rows and more; the predictor's update at the learner's
-    # batch always multiplies in true f32): "float32" (bf16 x6, f32-accurate), "bf16x3" (three
-    # bf16 products: 1.6x faster, relative error of the novelty ~1e-5, ~1e-3 late in a run) or
-    # "auto": bf16x3 when network.dtype is bfloat16, else float32 (docs/replay.md)
-    precision: str = "auto"
+    coef: float = setting(0.01, "weight of the novelty bonus in the reward; 0 = curiosity off")
+    hidden: int = setting(128, "hidden width of the novelty networks")
+    embed: int = setting(32, "embedding width of the novelty networks")
+    learning_rate: float = setting(1e-4, "Adam learning rate of the novelty predictor")
+    # bf16x3 is 1.6x faster with a relative novelty error ~1e-5 (~1e-3 late in a run); the
+    # predictor's update at the learner's batch always multiplies in true f32 (docs/replay.md)
+    precision: str = setting("auto", "novelty GEMMs: float32, bf16x3 (three bf16 products), or "
+                                     "auto (bf16x3 when network.dtype is bfloat16)")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 0
-    epochs: int = 30
-    num_episodes: int = 256  # N: episodes collected in parallel per epoch
-    train_steps: int = 50  # K learner steps per epoch
-    batch_size: int = 64  # M
-    learning_rate: float = 1e-4
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 10.0
-    gamma: float = 0.99
-    n_step: int = 1
-    target_update: str = "hard"  # "hard" (copy every target_period steps) or "polyak"
-    target_period: int = 200
-    polyak_tau: float = 0.005
-    epsilon_start: float = 1.0
-    epsilon_end: float = 0.05
-    epsilon_decay_epochs: int = 20
-    validation_windows: int = 64
-    # the validation metric that chooses the agent the report, evaluate, act and export use
-    # (foxhunt_jax.training.selection): "sharpe" or "total_return" (higher is better) or "loss"
-    # (the validation C51 loss, lower is better)
-    select_by: str = "sharpe"
-    patience: int = 0  # stop after this many epochs without a better select_by; 0 = off
-    checkpoint_every: int = 1
-    log_every: int = 1
-    # S: episodes, replay and batch are split into S shards (foxhunt_jax.parallel), placed on the
-    # devices (a multiple of their count). S, not the device count, defines the results.
-    shards: int = 1
-    # queued epochs (Trainer.run_epoch(queue_next=True)) run Validation and the next Experience
-    # as one program where network.backend=pallas runs both rollouts as kernels on one device:
-    # the GPU runs the two kernels at once. Same numbers; the cost is a fourth program to
-    # compile (the measured gain is in docs/training.md).
-    pair_rollouts: bool = True
+    seed: int = setting(0, "seed of every random draw of the run")
+    epochs: int = setting(30, "epochs to train (a resume may raise it)")
+    num_episodes: int = setting(256, "N: episodes collected in parallel per epoch")
+    train_steps: int = setting(50, "K: learner steps per epoch")
+    batch_size: int = setting(64, "M: transitions per learner step")
+    learning_rate: float = setting(1e-4, "Adam learning rate")
+    adam_eps: float = setting(1e-8, "Adam epsilon")
+    max_grad_norm: float = setting(10.0, "gradients are clipped to this global norm")
+    gamma: float = setting(0.99, "discount per step")
+    n_step: int = setting(1, "steps of the n-step return (1..5)")
+    target_update: str = setting("hard", "target network: hard (copy every target_period "
+                                         "steps) or polyak")
+    target_period: int = setting(200, "learner steps between hard target copies")
+    polyak_tau: float = setting(0.005, "polyak averaging rate of the target network")
+    epsilon_start: float = setting(1.0, "exploration rate at the first epoch")
+    epsilon_end: float = setting(0.05, "exploration rate after the decay")
+    epsilon_decay_epochs: int = setting(20, "epochs of linear epsilon decay")
+    validation_windows: int = setting(64, "fixed validation windows walked greedily each epoch")
+    # foxhunt_jax.training.selection
+    select_by: str = setting("sharpe", "validation metric that selects the agent runs report "
+                                       "and use: sharpe, total_return or loss")
+    patience: int = setting(0, "stop after this many epochs without a better select_by; 0 = off")
+    checkpoint_every: int = setting(1, "epochs between checkpoints (the last one always)")
+    log_every: int = setting(1, "epochs between printed epoch lines (the last one always)")
+    # S, not the device count, defines the results (foxhunt_jax.parallel)
+    shards: int = setting(1, "S: episodes, replay and batch split into S shards, placed on "
+                             "the local devices whose count divides S")
+    # same numbers; the cost is a fourth program to compile (the gain is in docs/performance.md)
+    pair_rollouts: bool = setting(True, "with network.backend=pallas on one device, queued "
+                                        "epochs run Validation and the next Experience as one "
+                                        "program")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """The full-split evaluation of the final report and ``evaluate``."""
 
-    # random policies (the agent's exploration draw, the same costs) walked beside the agent in
-    # one program; the reports give their 5th, 50th and 95th percentiles of every metric
-    random_policies: int = 200
+    # the agent's exploration draw, the same costs, walked beside the agent in one program
+    random_policies: int = setting(200, "random policies whose 5th, 50th and 95th percentiles "
+                                        "of every metric the reports give")
 
 
 @dataclass(frozen=True)
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    network: NetworkConfig = field(default_factory=NetworkConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    data: DataConfig = setting(factory=DataConfig, meaning="market data and its splits")
+    env: EnvConfig = setting(factory=EnvConfig, meaning="the trading environment")
+    network: NetworkConfig = setting(factory=NetworkConfig,
+                                     meaning="the distributional branching dueling Q-network")
+    replay: ReplayConfig = setting(factory=ReplayConfig, meaning="prioritized replay")
+    curiosity: CuriosityConfig = setting(factory=CuriosityConfig,
+                                         meaning="random-network-distillation novelty bonus")
+    train: TrainConfig = setting(factory=TrainConfig, meaning="the training loop")
+    eval: EvalConfig = setting(factory=EvalConfig, meaning="the final report and evaluate")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +268,7 @@ def _merge(base: dict, update: dict) -> dict:
 
 
 def to_dict(cfg: Any) -> dict:
-    """Plain nested dict (tuples as lists) for YAML/JSON output."""
+    """Plain nested dict (tuples as lists) for YAML/JSON output; any other value likewise."""
 
     def conv(x):
         if dataclasses.is_dataclass(x):
@@ -392,12 +416,18 @@ def validate(cfg: Config) -> Config:
            "needs one or more positive widths", n.trunk)
     _check(n.head >= 1, "network.head", "must be >= 1", n.head)
     _check(n.atoms >= 2, "network.atoms", "must be >= 2", n.atoms)
+    _check(n.support in ("auto", "explicit"), "network.support", "must be auto or explicit",
+           n.support)
     _check(n.v_min < n.v_max, "network.v_max", "must be greater than network.v_min", n.v_max)
-    _check(n.dtype in ("float32", "bfloat16"), "network.dtype", "must be float32 or bfloat16",
-           n.dtype)
+    placeholder = tuple(NetworkConfig.__dataclass_fields__[k].default for k in ("v_min", "v_max"))
+    _check(n.support == "explicit" or (n.v_min, n.v_max) == placeholder, "network.v_min",
+           "and network.v_max are used only with network.support=explicit (auto derives them)",
+           (n.v_min, n.v_max))
+    _check(n.dtype in ("auto", "float32", "bfloat16"), "network.dtype",
+           "must be auto, float32 or bfloat16", n.dtype)
     _check(n.backend in ("auto", "xla", "pallas"), "network.backend",
            "must be auto, xla or pallas", n.backend)
-    _check(n.backend != "pallas" or n.dtype == "bfloat16", "network.backend",
+    _check(n.backend != "pallas" or n.dtype != "float32", "network.backend",
            "pallas needs network.dtype=bfloat16 (its float32 kernel is slower than XLA)",
            n.backend)
 
@@ -454,8 +484,89 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+# ---------------------------------------------------------------------------------------------
+# Describing the keys: meanings, defaults, the commented YAML of `config show`, differences
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One leaf key: dotted name, type as written in the annotation, default, meaning."""
+
+    key: str
+    type: str
+    default: Any
+    meaning: str
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list[{_type_name(args[0])}]"
+        return f"list of {len(args)} {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def keys(cls: type = Config, prefix: str = "") -> list[KeyInfo]:
+    """Every leaf key of ``cls`` in declaration order, with its type, default and meaning."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(keys(hints[f.name], name + "."))
+        else:
+            out.append(KeyInfo(name, _type_name(hints[f.name]), to_dict(getattr(defaults, f.name)),
+                               f.metadata["meaning"]))
+    return out
+
+
+def yaml_line(value: Any) -> str:
+    """``value`` as one line of YAML (flow style) that ``yaml.safe_load`` reads back."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip()  # a bare scalar's document-end marker
+
+
+def show_yaml(cfg: Config) -> str:
+    """``cfg`` as YAML, every key commented with its meaning and its default.
+
+    ``yaml.safe_load`` of the text gives :func:`to_dict` of ``cfg``."""
+    lines: list[str] = []
+
+    def walk(node: Any, default: Any, indent: str) -> None:
+        for f in dataclasses.fields(node):
+            value, meaning = getattr(node, f.name), f.metadata["meaning"]
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:  # {meaning}")
+                walk(value, getattr(default, f.name), indent + "  ")
+                continue
+            text, base = (yaml_line(to_dict(v)) for v in (value, getattr(default, f.name)))
+            lines.append(f"{indent}{f.name}: {text}  # {meaning} (default {base})")
+
+    walk(cfg, Config(), "")
+    return "\n".join(lines) + "\n"
+
+
+def differences(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` of every leaf key where ``a`` and ``b`` differ."""
+    flat_a, flat_b = _flatten(to_dict(a)), _flatten(to_dict(b))
+    return [(k, flat_a[k], flat_b[k]) for k in flat_a if flat_a[k] != flat_b[k]]
+
+
+def _flatten(mapping: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in mapping.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
     "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace",
     "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
+    "setting", "KeyInfo", "keys", "show_yaml", "yaml_line", "differences",
 ]

@@ -31,9 +31,10 @@ import optax
 from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
-from foxhunt_jax.agent.loss import bootstrap_loss
+from foxhunt_jax.agent.loss import c51_loss_and_edge_mass
 from foxhunt_jax.agent.network import (QNetwork, explore_actions, greedy_actions, init_params,
-                                       q_forward, support as make_support, taken_logits)
+                                       make_network, q_forward, support as make_support,
+                                       taken_logits)
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 from pallas_kernels.tuning import ReplaySearch
 
@@ -82,9 +83,12 @@ class Learner:
 def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
                  replay_search: ReplaySearch = ReplaySearch()) -> Learner:
     """The learner of ``cfg`` for an env with ``branch_sizes``; ``replay_search`` as
-    :class:`Learner` (the trainer passes its backend's ``tuning.replay``)."""
-    net = QNetwork(branch_sizes=tuple(branch_sizes), trunk=tuple(cfg.network.trunk),
-                   head=cfg.network.head, atoms=cfg.network.atoms, dtype=cfg.network.dtype)
+    :class:`Learner` (the trainer passes its backend's ``tuning.replay``).
+
+    Its support is ``[network.v_min, network.v_max]``: whoever runs the env resolves
+    ``network.support: auto`` first (:mod:`foxhunt_jax.agent.value_range`; the trainer does);
+    an unresolved config's placeholder range is used as it is."""
+    net = make_network(cfg.network, branch_sizes)
     t = cfg.train
     # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
     # launches far fewer kernels
@@ -113,20 +117,37 @@ def per_sample_loss(learner: Learner, params, target_params, obs, next_obs, acti
     forwards, online at s' for its greedy actions, online at s and target at s' for the logits
     of the taken and of those greedy actions.
 
-    ``backend`` None runs the definitions (Flax and jnp, differentiable): the update. A
-    :class:`foxhunt_jax.backend.Backend` runs its ``q_forward``, ``taken_logits`` and
-    ``bootstrap_loss`` instead (no gradient through a kernel). The initial priorities
-    (:func:`foxhunt_jax.training.collect.collect`) and the validation loss build this same loss
-    from parts their rollouts already computed, on their backend; tests compare both to this
-    function.
+    ``backend`` None runs the definitions (Flax and jnp, differentiable): the update
+    (:func:`loss_and_edge_mass`). A :class:`foxhunt_jax.backend.Backend` runs its ``q_forward``,
+    ``taken_logits`` and ``bootstrap_loss`` instead (no gradient through a kernel). The initial
+    priorities (:func:`foxhunt_jax.training.collect.collect`) and the validation loss build this
+    same loss from parts their rollouts already computed, on their backend; tests compare both
+    to this function.
+    """
+    if backend is None:
+        return loss_and_edge_mass(learner, params, target_params, obs, next_obs, action,
+                                  returns, discount)[0]
+    net, z = learner.network, learner.support
+    _, best = backend.q_forward(params, next_obs, net, z)
+    return backend.bootstrap_loss(target_params, next_obs, best,
+                                  backend.taken_logits(params, obs, action, net), returns,
+                                  discount, net, z)
+
+
+def loss_and_edge_mass(learner: Learner, params, target_params, obs, next_obs, action, returns,
+                       discount) -> tuple[jax.Array, jax.Array]:
+    """:func:`per_sample_loss` by the definitions (Flax and jnp, differentiable in ``params``)
+    and the target probability its projection clips onto the support's edge atoms
+    (:func:`~foxhunt_jax.agent.loss.c51_loss_and_edge_mass`), both ``[M]``.
+
+    The update always runs this, whatever the backend, so the learner's ``support_edge_mass``
+    does not depend on ``network.backend``.
     """
     net, z = learner.network, learner.support
-    forward, logits_of, loss_of = ((q_forward, taken_logits, bootstrap_loss) if backend is None
-                                   else (backend.q_forward, backend.taken_logits,
-                                         backend.bootstrap_loss))
-    _, best = forward(params, next_obs, net, z)  # an argmax has no gradient
-    return loss_of(target_params, next_obs, best, logits_of(params, obs, action, net), returns,
-                   discount, net, z)
+    _, best = q_forward(params, next_obs, net, z)  # an argmax has no gradient
+    return c51_loss_and_edge_mass(taken_logits(params, obs, action, net),
+                                  taken_logits(target_params, next_obs, best, net), returns,
+                                  discount, z)
 
 
 def _update_target(learner: Learner, params, target_params, step):
@@ -158,18 +179,21 @@ class Batch:
 def _update(learner: Learner, agent: AgentState, batch: Batch):
     """The update of one batch with its importance weights.
 
-    Returns the new agent, the per-sample losses ``[M]`` (the new priorities) and the metrics.
+    Returns the new agent, the per-sample losses ``[M]`` (the new priorities) and the metrics
+    (``loss``, ``grad_norm``, ``rnd_loss``, ``support_edge_mass``: the batch's mean share of
+    target probability clipped onto the support's edge atoms).
     The loss is the weighted mean over the whole batch: when the batch is split over devices,
     XLA all-reduces the devices' partial gradients.
     """
     obs, next_obs, items, weights = batch.obs, batch.next_obs, batch.items, batch.weights
 
     def loss_fn(params):
-        losses = per_sample_loss(learner, params, agent.target_params, obs, next_obs,
-                                 items["action"], items["reward"], items["discount"])
-        return jnp.mean(weights * losses), losses
+        losses, edge_mass = loss_and_edge_mass(learner, params, agent.target_params, obs,
+                                               next_obs, items["action"], items["reward"],
+                                               items["discount"])
+        return jnp.mean(weights * losses), (losses, edge_mass)
 
-    (loss, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params)
+    (loss, (losses, edge_mass)), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params)
     updates, opt_state = learner.optimizer.update(grads, agent.opt_state, agent.params)
     params = optax.apply_updates(agent.params, updates)
     step = agent.step + 1
@@ -177,7 +201,9 @@ def _update(learner: Learner, agent: AgentState, batch: Batch):
     rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
     if agent.rnd is not None:
         rnd, rnd_loss = curiosity.update(agent.rnd, next_obs)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "rnd_loss": rnd_loss}
+    # support_edge_mass: the batch's mean share of target probability clipped onto the edge atoms
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "rnd_loss": rnd_loss,
+               "support_edge_mass": jnp.mean(edge_mass)}
     agent = AgentState(params=params, target_params=target_params, opt_state=opt_state, rnd=rnd,
                        step=step)
     return agent, jax.lax.stop_gradient(losses), metrics

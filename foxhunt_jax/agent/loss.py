@@ -16,6 +16,33 @@ import jax.numpy as jnp
 from foxhunt_jax.agent.network import greedy_actions, select_action, taken_logits
 from foxhunt_jax.errors import ConfigError
 
+# a shifted atom counts as clipped beyond this fraction of the atom spacing past an edge, so that
+# a value on the edge (a constant reward's fixed point) is not counted by float rounding
+EDGE_TOLERANCE = 1e-3
+
+
+def _project(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
+             support: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`categorical_projection` and :func:`clipped_edge_mass` of the same inputs, from one
+    computation of the shifted atoms."""
+    chex.assert_rank([next_probs, returns, discounts, support], [2, 1, 1, 1])
+    k = support.shape[0]
+    chex.assert_shape(next_probs, (returns.shape[0], k))
+    chex.assert_equal_shape([returns, discounts])
+    v_min, v_max = support[0], support[-1]
+    dz = (v_max - v_min) / (k - 1)
+    shifted = returns[:, None] + discounts[:, None] * support[None, :]  # [M, K] unclipped
+    tolerance = EDGE_TOLERANCE * dz
+    outside = (shifted < v_min - tolerance) | (shifted > v_max + tolerance)
+    edge_mass = jnp.sum(jnp.where(outside, next_probs, 0.0), axis=-1)
+    tz = jnp.clip(shifted, v_min, v_max)
+    b = jnp.clip((tz - v_min) / dz, 0.0, k - 1.0)  # [M, K] fractional target index per source atom
+    idx = jnp.arange(k, dtype=b.dtype)
+    w = jnp.maximum(0.0, 1.0 - jnp.abs(b[:, :, None] - idx[None, None, :]))  # [M, K_src, K_dst]
+    # HIGHEST: on GPUs a default-precision f32 contraction may run in TF32 and lose mass.
+    projected = jnp.einsum("mj,mji->mi", next_probs, w, precision=jax.lax.Precision.HIGHEST)
+    return projected, edge_mass
+
 
 def categorical_projection(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
                            support: jax.Array) -> jax.Array:
@@ -35,18 +62,41 @@ def categorical_projection(next_probs: jax.Array, returns: jax.Array, discounts:
     This triangular weight equals the usual split between ``floor(b)`` and ``ceil(b)`` and needs
     no special case when ``b`` is an integer (then all mass goes to that atom, none is lost).
     """
-    chex.assert_rank([next_probs, returns, discounts, support], [2, 1, 1, 1])
-    k = support.shape[0]
-    chex.assert_shape(next_probs, (returns.shape[0], k))
-    chex.assert_equal_shape([returns, discounts])
-    v_min, v_max = support[0], support[-1]
-    dz = (v_max - v_min) / (k - 1)
-    tz = jnp.clip(returns[:, None] + discounts[:, None] * support[None, :], v_min, v_max)
-    b = jnp.clip((tz - v_min) / dz, 0.0, k - 1.0)  # [M, K] fractional target index per source atom
-    idx = jnp.arange(k, dtype=b.dtype)
-    w = jnp.maximum(0.0, 1.0 - jnp.abs(b[:, :, None] - idx[None, None, :]))  # [M, K_src, K_dst]
-    # HIGHEST: on GPUs a default-precision f32 contraction may run in TF32 and lose mass.
-    return jnp.einsum("mj,mji->mi", next_probs, w, precision=jax.lax.Precision.HIGHEST)
+    return _project(next_probs, returns, discounts, support)[0]
+
+
+def clipped_edge_mass(next_probs: jax.Array, returns: jax.Array, discounts: jax.Array,
+                      support: jax.Array) -> jax.Array:
+    """``[M]``: the probability that :func:`categorical_projection` clips onto the two edge
+    atoms, the mass of the atoms whose shifted value ``r + d z_j`` lies outside
+    ``[v_min, v_max]`` by more than :data:`EDGE_TOLERANCE` atom spacings. Arguments as
+    :func:`categorical_projection`.
+
+    Mass that lands on an edge atom from inside the support is not counted: a support that fits
+    may hold a return on its edge, but clipped mass means returns beyond it.
+    """
+    return _project(next_probs, returns, discounts, support)[1]
+
+
+def c51_loss_and_edge_mass(taken: Sequence[jax.Array], target_best: Sequence[jax.Array],
+                           returns: jax.Array, discounts: jax.Array,
+                           support: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`c51_loss` and, from the same projections, the target probability clipped onto
+    the support's edge atoms (:func:`clipped_edge_mass` of each branch's bootstrap
+    distribution), both ``[M]`` and averaged over branches. Arguments as :func:`c51_loss`."""
+    if not len(taken) == len(target_best) >= 1:
+        raise ValueError("c51_loss: taken and target_best need the same number of branches "
+                         "(>= 1)")
+    losses, edge_masses = [], []
+    for taken_d, target_d in zip(taken, target_best):
+        chex.assert_equal_shape([taken_d, target_d])
+        p_next = jax.nn.softmax(target_d.astype(jnp.float32), axis=-1)
+        m, edge = jax.lax.stop_gradient(_project(p_next, returns, discounts, support))
+        log_p = jax.nn.log_softmax(taken_d.astype(jnp.float32), axis=-1)
+        losses.append(-jnp.sum(m * log_p, axis=-1))
+        edge_masses.append(edge)
+    mean = lambda xs: jnp.mean(jnp.stack(xs, axis=0), axis=0)  # noqa: E731
+    return mean(losses), mean(edge_masses)
 
 
 def c51_loss(taken: Sequence[jax.Array], target_best: Sequence[jax.Array], returns: jax.Array,
@@ -67,17 +117,7 @@ def c51_loss(taken: Sequence[jax.Array], target_best: Sequence[jax.Array], retur
       ``Phi(r + discount * z; softmax(target_best_d))`` and ``softmax(taken_d)``; then the mean
       over branches. Gradients flow only into ``taken``.
     """
-    if not len(taken) == len(target_best) >= 1:
-        raise ValueError("c51_loss: taken and target_best need the same number of branches "
-                         "(>= 1)")
-    per_branch = []
-    for taken_d, target_d in zip(taken, target_best):
-        chex.assert_equal_shape([taken_d, target_d])
-        p_next = jax.nn.softmax(target_d.astype(jnp.float32), axis=-1)
-        m = jax.lax.stop_gradient(categorical_projection(p_next, returns, discounts, support))
-        log_p = jax.nn.log_softmax(taken_d.astype(jnp.float32), axis=-1)
-        per_branch.append(-jnp.sum(m * log_p, axis=-1))
-    return jnp.mean(jnp.stack(per_branch, axis=0), axis=0)
+    return c51_loss_and_edge_mass(taken, target_best, returns, discounts, support)[0]
 
 
 def bootstrap_loss(target_params, next_obs: jax.Array, best: jax.Array,
@@ -191,5 +231,5 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
     return ret, discounts.astype(rewards.dtype), k
 
 
-__all__ = ["categorical_projection", "c51_loss", "bootstrap_loss", "c51_double_q_loss",
-           "n_step_targets"]
+__all__ = ["categorical_projection", "clipped_edge_mass", "c51_loss", "c51_loss_and_edge_mass",
+           "bootstrap_loss", "c51_double_q_loss", "n_step_targets"]

@@ -135,11 +135,14 @@ def make_network(net_cfg: NetworkConfig, branch_sizes: Sequence[int]) -> QNetwor
     sizes = tuple(int(n) for n in branch_sizes)
     if not sizes or any(n < 1 for n in sizes):
         raise ConfigError(f"network branch sizes must be one or more positive counts, got {sizes}")
-    if net_cfg.dtype not in _COMPUTE_DTYPES:
-        raise ConfigError(f"config key 'network.dtype' must be float32 or bfloat16, got "
+    # "auto" is made concrete per device by the run (foxhunt_jax.backend.resolve_config); a
+    # network built from an unresolved config computes in float32
+    dtype = "float32" if net_cfg.dtype == "auto" else net_cfg.dtype
+    if dtype not in _COMPUTE_DTYPES:
+        raise ConfigError(f"config key 'network.dtype' must be auto, float32 or bfloat16, got "
                           f"{net_cfg.dtype!r}")
     return QNetwork(branch_sizes=sizes, trunk=tuple(net_cfg.trunk), head=net_cfg.head,
-                    atoms=net_cfg.atoms, dtype=net_cfg.dtype)
+                    atoms=net_cfg.atoms, dtype=dtype)
 
 
 def support(v_min: float, v_max: float, atoms: int) -> jax.Array:

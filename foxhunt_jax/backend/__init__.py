@@ -16,12 +16,13 @@ Training's update always differentiates the definitions, whatever the backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from foxhunt_jax.backend import pallas, xla
-from foxhunt_jax.config import NetworkConfig
+from foxhunt_jax.config import Config, NetworkConfig
 from foxhunt_jax.errors import ConfigError
 from pallas_kernels.tuning import Tuning, for_device
 
@@ -79,6 +80,22 @@ def make(name: str, tuning: Tuning) -> Backend:
     return Backend(name=name, tuning=tuning, **entries)
 
 
+def resolve_config(cfg: Config, device=None) -> Config:
+    """``cfg`` with ``network.dtype="auto"`` made concrete for ``device`` (default: JAX's first
+    device): ``bfloat16`` where the Pallas kernels compile (a CUDA GPU), the configuration that
+    runs the fast path (bf16 matrix inputs and, with ``network.backend=auto``, the kernels);
+    else ``float32``. A run resolves its config once, before writing it, so its ``config.yaml``
+    and everything that reads it (resume, evaluate, act, export) name the dtype it ran with.
+    ConfigError when ``network.backend=pallas`` resolves to float32."""
+    if cfg.network.dtype != "auto":
+        return cfg
+    dtype = "bfloat16" if for_device(device).compiled else "float32"
+    if cfg.network.backend == "pallas" and dtype == "float32":
+        raise ConfigError("config key 'network.backend' pallas needs network.dtype=bfloat16 "
+                          "(auto resolves to float32 off a CUDA GPU)")
+    return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, dtype=dtype))
+
+
 def resolve(network_cfg: NetworkConfig, device=None) -> Backend:
     """The backend of a validated ``network`` config on ``device`` (default: JAX's first
     device). ``network.backend="auto"`` picks ``pallas`` where the kernels compile (a CUDA GPU)
@@ -87,9 +104,10 @@ def resolve(network_cfg: NetworkConfig, device=None) -> Backend:
     interpreted)."""
     tuning = for_device(device)
     name = network_cfg.backend
-    if name == "auto":
-        name = "pallas" if tuning.compiled and network_cfg.dtype == "bfloat16" else "xla"
+    if name == "auto":  # network.dtype auto is bfloat16 exactly where the kernels compile
+        name = ("pallas" if tuning.compiled and network_cfg.dtype in ("auto", "bfloat16")
+                else "xla")
     return make(name, tuning)
 
 
-__all__ = ["Backend", "NAMES", "make", "resolve"]
+__all__ = ["Backend", "NAMES", "make", "resolve", "resolve_config"]

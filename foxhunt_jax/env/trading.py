@@ -249,8 +249,8 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
 
     ``actions``: one int32 array per branch, shaped like the state's fields.
     Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool:
-    the chosen exposure differs from the held one), exit_price (executed price of a barrier or
-    ruin exit, else 0), barrier (int32 code), fills (int32: the chosen trade plus an exit, 0..2)
+    the chosen exposure differs from the held one), fill_price (the chosen trade's executed
+    price, else 0), exit_price (executed price of a barrier or ruin exit, else 0), barrier (int32 code), fills (int32: the chosen trade plus an exit, 0..2)
     and turnover (the nominal exposure those fills moved, a fraction of equity).
 
     This is the single definition of the step's rules: :func:`step_env` calls it for one episode
@@ -335,7 +335,7 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
                          exposure=f32(exposure), entry_price=f32(entry), tp_price=f32(tp),
                          sl_price=f32(sl), time_in_trade=tit.astype(jnp.int32))
     info = {"equity": f32(equity), "cost": f32(trade_cost + exit_cost + ruin_cost),
-            "traded": traded,
+            "traded": traded, "fill_price": f32(jnp.where(traded, px_exec, 0.0)),
             "exit_price": f32(exit_price), "barrier": barrier.astype(jnp.int32),
             "fills": traded.astype(jnp.int32) + closed.astype(jnp.int32),
             "turnover": f32(turnover)}

@@ -32,7 +32,7 @@ from flax import struct
 
 from foxhunt_jax.agent.learner import Learner, make_learner
 from foxhunt_jax.agent.network import expected_q
-from foxhunt_jax.backend import Backend, resolve
+from foxhunt_jax.backend import Backend, resolve, resolve_config
 from foxhunt_jax.config import Config, EnvConfig, from_dict, read_yaml, to_dict
 from foxhunt_jax.data.features import MarketTables
 from foxhunt_jax.env import trading
@@ -331,7 +331,7 @@ class Policy:
             raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} is not a run directory (no config.yaml)")
-        cfg = from_dict(read_yaml(run / "config.yaml"))
+        cfg = resolve_config(from_dict(read_yaml(run / "config.yaml")))
         learner = make_learner(cfg, cfg.env.branch_sizes)
         stats = spec.run_statistics(run, cfg, warn)
         params, epoch, which, note = restore_params(run, cfg, learner, agent, warn)

@@ -1,4 +1,4 @@
-"""Trading metrics of equity paths, on the host in float64 NumPy.
+"""Trading metrics of equity paths, and the trade log of a walk, on the host in float64 NumPy.
 
 These run once per epoch (validation) and once per evaluation on small arrays, so clarity wins
 over speed: no JAX here. The same function scores the agent, buy-and-hold and the random policy,
@@ -341,7 +341,84 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
             "paths": paths, "random_curves": rand["equity"]}
 
 
+
+# info["barrier"] codes of the env (foxhunt_jax.env.trading: TAKE_PROFIT, STOP_LOSS, TIME, RUIN)
+_EXIT_REASONS = {1: "take_profit", 2: "stop_loss", 3: "time", 4: "ruin"}
+TRADE_COLUMNS = ("instrument", "entry_time", "exit_time", "entry_price", "exit_price", "side",
+                 "size", "exit_reason", "cost", "pnl")
+
+
+def trade_log(steps: dict, close: np.ndarray, timestamps: np.ndarray,
+              instruments: list[str]) -> list[dict]:
+    """The trades of walks without reset, one row per position held (``TRADE_COLUMNS``).
+
+    Args:
+      steps: ``[W, L]`` host arrays of each walk's steps (one walk per instrument, equity 1 at
+        its start): ``bar`` (global bar of the decision), ``fill_bar`` (the bar its trade fills
+        on, ``env.fill``), ``fill_price`` (the trade's executed price), ``target`` (the exposure
+        chosen), ``traded``, ``cost`` (the step's trade and barrier-exit costs), ``barrier`` (the env's
+        exit code on the next bar), ``exit_price``, ``equity`` (marked at the next close),
+        ``terminated`` (ruin), ``alive``.
+      close, timestamps: ``[T]`` of the market tables the bars index.
+      instruments: the instrument name of each walk.
+
+    A trade opens when the exposure moves to a non-zero value (a move between two non-zero
+    values closes one trade and opens another, as the env re-enters at the close) and ends by
+    ``signal`` (the agent moves the exposure), ``take_profit``, ``stop_loss``, ``time``, ``ruin``
+    or ``end`` (still open at the walk's last bar, marked at its close). A fill's cost belongs
+    to the trade it opens, or to the trade it closes when it goes flat; a barrier exit's cost
+    to the trade it ends. ``pnl`` is the walk's equity change over the trade (costs included,
+    in units of the walk's initial equity): the equity from the close before its entry fill
+    to its exit, so the pnl of a walk's trades sums to its equity change (equity is constant
+    while flat).
+    """
+    rows: list[dict] = []
+    for w, name in enumerate(instruments):
+        trade: dict | None = None
+        before = 1.0  # equity at the close of the decision bar, before its fill
+        alive = np.asarray(steps["alive"][w], bool)
+
+        def close_trade(at: int, price: float, reason: str, equity: float) -> None:
+            trade.update(exit_time=timestamps[at], exit_price=float(price), exit_reason=reason,
+                         pnl=float(equity) - trade.pop("base"))
+            rows.append(trade)
+
+        last = -1
+        for k in np.flatnonzero(alive):
+            last = k
+            bar, target = int(steps["bar"][w, k]), float(steps["target"][w, k])
+            cost, after = float(steps["cost"][w, k]), float(steps["equity"][w, k])
+            fill_bar, fill_price = int(steps["fill_bar"][w, k]), float(steps["fill_price"][w, k])
+            if steps["traded"][w, k]:
+                if trade is not None:
+                    flat = target == 0
+                    trade["cost"] += cost if flat else 0.0
+                    close_trade(fill_bar, fill_price, "signal", after if flat else before)
+                    trade = None
+                if target != 0:
+                    trade = {"instrument": name, "entry_time": timestamps[fill_bar],
+                             "exit_time": None, "entry_price": fill_price,
+                             "exit_price": None, "side": "long" if target > 0 else "short",
+                             "size": abs(target), "exit_reason": None, "cost": cost,
+                             "pnl": None, "base": before}
+            elif trade is not None:
+                trade["cost"] += cost  # a barrier exit's cost (0 on other bars)
+            reason = _EXIT_REASONS.get(int(steps["barrier"][w, k]))
+            if trade is not None and reason is not None:
+                close_trade(bar + 1, steps["exit_price"][w, k], reason, after)
+                trade = None
+            elif trade is not None and steps["terminated"][w, k]:
+                close_trade(bar + 1, close[bar + 1], "ruin", after)
+                trade = None
+            before = after
+        if trade is not None:
+            end = int(steps["bar"][w, last]) + 1
+            close_trade(end, close[end], "end", before)
+    return rows
+
+
+
 __all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
            "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
-           "beat_percentiles", "evaluation_results", "PERCENTILES", "ACTIVITY_KEYS",
-           "HIGHER_IS_BETTER", "LOWER_IS_BETTER"]
+           "beat_percentiles", "evaluation_results", "trade_log", "PERCENTILES", "ACTIVITY_KEYS",
+           "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "TRADE_COLUMNS"]

@@ -6,7 +6,8 @@ Layout of ``out_dir``::
     run.lock          the writer's lock: pid, host and start time of the process that holds it
     config.yaml       the resolved configuration of the run
     metrics.jsonl     one JSON object per epoch (strict JSON: NaN and Inf are written as null)
-    tb/               TensorBoard event files (the same scalars, nested keys joined with "/")
+    tb/               TensorBoard event files (the same scalars, nested keys joined with "/";
+                      not written when the writers, LOG_WRITERS, leave tensorboard out)
     checkpoints/      orbax checkpoints (foxhunt_jax.training.checkpoint)
     report/           summary.json and plots (foxhunt_jax.training.report)
 
@@ -55,6 +56,9 @@ from foxhunt_jax.errors import ConfigError, DataError
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
+# The writers of a run's epoch records: metrics.jsonl is always written (resume and the report
+# read it); the others are chosen (train --log, api.train(log_to=...)).
+LOG_WRITERS = ("jsonl", "tensorboard")
 RUN_FILE = "run.json"
 STATISTICS_FILE = "normalization.json"  # the train split's feature statistics (policy/spec.py)
 LOCK_FILE = "run.lock"
@@ -407,9 +411,11 @@ class RunWriter:
     w.close()`` (or ``with RunWriter(out_dir) as w: ...``).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, process_index: int = 0):
+    def __init__(self, out_dir: str | os.PathLike, process_index: int = 0,
+                 tensorboard: bool = True):
         self.out_dir = Path(out_dir)
         self.active = process_index == 0
+        self.tensorboard = tensorboard  # also write the scalars as TensorBoard events
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.report_dir = self.out_dir / "report"
         self._metrics = None
@@ -430,7 +436,8 @@ class RunWriter:
             _write_atomic(self.out_dir / CONFIG_FILE, text)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Appends one epoch record to metrics.jsonl (fsynced) and its scalars to TensorBoard."""
+        """Appends one epoch record to metrics.jsonl (fsynced) and, with :attr:`tensorboard`,
+        its scalars to TensorBoard."""
         if not self.active:
             return
         rec = to_jsonable(record)
@@ -443,7 +450,8 @@ class RunWriter:
         self._metrics.write(json.dumps(rec, allow_nan=False) + "\n")
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
-
+        if not self.tensorboard:
+            return
         tb = self._writer()
         for key, value in flatten(rec).items():
             if key == "epoch" or isinstance(value, (str, list)) or value is None:
@@ -523,9 +531,10 @@ class RunWriter:
 
 
 def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = False,
-             process_index: int = 0, warn: Callable[[str], None] | None = None) -> RunWriter:
+             process_index: int = 0, warn: Callable[[str], None] | None = None,
+             tensorboard: bool = True) -> RunWriter:
     """Checks, marks and locks a run folder; returns its writer, which holds the lock until
-    :meth:`RunWriter.close`.
+    :meth:`RunWriter.close`. ``tensorboard``: :attr:`RunWriter.tensorboard`.
 
     On process 0 (other processes get a writer that writes nothing, and no check):
     :func:`check_run_folder` first (nothing is written when it refuses), then
@@ -538,7 +547,7 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     out = Path(out_dir)
     warn = warn or (lambda line: None)
     if process_index != 0:  # process 0 alone checks and writes
-        return RunWriter(out, process_index=process_index)
+        return RunWriter(out, process_index=process_index, tensorboard=tensorboard)
     kind = check_run_folder(out, resume)
     made, folder = [], out.absolute()  # the folders mkdir creates, deepest first
     while not folder.exists():
@@ -552,7 +561,7 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     try:
         # another process may have saved a checkpoint meanwhile
         check_run_folder(out, resume, locked=True)
-        writer = RunWriter(out)
+        writer = RunWriter(out, tensorboard=tensorboard)
         if not resume:
             _write_atomic(out / RUN_FILE, _run_marker(config_text))
             writer.write_config(config_text)
@@ -566,6 +575,6 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
     return writer
 
 
-__all__ = ["RunWriter", "RunLock", "open_run", "check_run_folder", "checkpoint_steps",
-           "truncate_events", "read_metrics", "to_jsonable", "flatten", "METRICS_FILE",
-           "CONFIG_FILE", "RUN_FILE", "LOCK_FILE"]
+__all__ = ["LOG_WRITERS", "RunWriter", "RunLock", "open_run", "check_run_folder",
+           "checkpoint_steps", "truncate_events", "read_metrics", "to_jsonable", "flatten",
+           "METRICS_FILE", "CONFIG_FILE", "RUN_FILE", "LOCK_FILE"]

@@ -23,7 +23,8 @@ import numpy as np
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner, make_learner, schedule_values
-from foxhunt_jax.backend import Backend, resolve
+from foxhunt_jax.agent.value_range import resolve_trading
+from foxhunt_jax.backend import Backend, resolve, resolve_config
 from foxhunt_jax.config import Config
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
@@ -70,15 +71,19 @@ class Trainer:
     def build(cls, cfg: Config, market: MarketData | None = None,
               devices: list | None = None) -> "Trainer":
         """``devices``: the mesh (default: every device of every process); their count must
-        divide ``train.shards``, else ConfigError."""
+        divide ``train.shards``, else ConfigError. The trainer's ``cfg`` is ``cfg`` with
+        ``network.support: auto`` resolved (:func:`~foxhunt_jax.agent.value_range.
+        resolve_trading`)."""
         start = time.perf_counter()
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
+        cfg = resolve_config(cfg, local)  # network.dtype auto, for this device
         if market is None:
             market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
                                  window=cfg.data.window)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                               features=cfg.data.features, split_dates=cfg.data.split_dates)
+        cfg = resolve_trading(cfg, tables)  # network.support auto: the range, from train bars
         # Training runs on the whole mesh; validation (small) on this process's first device.
         env_params = {"train": parallel.put_replicated(
                           trading.make_params(tables, cfg.env, "train"), mesh),
@@ -183,6 +188,7 @@ class Trainer:
             "loss": float(learned["loss"]),
             "grad_norm": float(learned["grad_norm"]),
             "rnd_loss": float(learned["rnd_loss"]),
+            "support_edge_mass": float(learned["support_edge_mass"]),
             "finite_params": bool(learned["finite_params"]),
             "finite_opt_state": bool(learned["finite_opt_state"]),
             "epsilon": float(collected["epsilon"]),
@@ -246,12 +252,15 @@ class Trainer:
                                          config={"config": self.cfg, "steps": steps})
             return compiled(*args)
 
-        paths = {"agent": validate.equity_paths(walk_with(
-            "agent", run_greedy, split_params, agent.params, jax.random.key(seed), *walk))}
+        def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
+            return dict(validate.equity_paths(traj),
+                        action=np.swapaxes(np.asarray(traj["action"]), 0, 1))
+
+        paths = {"agent": walked(walk_with("agent", run_greedy, split_params, agent.params,
+                                           jax.random.key(seed), *walk))}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
-            paths["oracle"] = validate.equity_paths(walk_with(
-                "oracle", run_oracle, split_params, jnp.asarray(self.tables.last_log_return),
-                *walk))
+            paths["oracle"] = walked(walk_with("oracle", run_oracle, split_params,
+                                               jnp.asarray(self.tables.last_log_return), *walk))
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
                                                             lengths)
         paths["flat"] = validate.flat_paths(lengths)

@@ -140,7 +140,8 @@ def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full, capsy
     # the CLI in this process: its executable cache stays off, as conftest keeps it
     monkeypatch.setattr(jitcache, "enable_compilation_cache", lambda *a, **k: None)
     assert main(["evaluate", "--run", str(out), "--split", "validation", "--agent", "last"]) == 0
-    assert f"validation split (full walk), last agent (epoch {EPOCHS})" in capsys.readouterr().out
+    assert (f"validation split (full walk, equal-weight portfolio), last agent (epoch {EPOCHS})"
+            in capsys.readouterr().out)
     last = json.loads((out / "report" / "evaluate_validation_last.json").read_text())
     assert last["agent"] == {"agent": "last", "epoch": EPOCHS}
     if best != EPOCHS:

@@ -1,4 +1,5 @@
-"""scripts/cartpole.py: the agent learns gymnax CartPole-v1, and the script's output line.
+"""scripts/cartpole.py: the agent learns gymnax CartPole-v1, and the script's output line;
+MountainCar-v0 gets a support that fits its negative returns from ``network.support: auto``.
 
 A short run of the script's own training (same hyper-parameters, fewer iterations, epsilon
 decayed over the first quarter as in the full run) must beat a uniformly random policy (about 22
@@ -8,6 +9,7 @@ episodes) is the script's full run, whose figures are in docs/agent.md.
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import chex
@@ -25,13 +27,16 @@ SHORT_ITERATIONS = 400
 # A random policy scores ~22. 400 iterations scored 458 and 454 on seeds 0 and 1 (318-374 on
 # seeds 2 and 3), so 200 leaves a wide margin while still demanding a balancing policy.
 MIN_SHORT_RETURN = 200.0
-LINE = re.compile(r"mean_return=(\d+\.\d{2}) env_steps=(\d+) seconds=(\d+\.\d)")
+LINE = re.compile(r"mean_return=(-?\d+\.\d{2}) env_steps=(\d+) seconds=(\d+\.\d) "
+                  r"support=\[(-?[\d.]+), (-?[\d.]+)\] edge_mass=(\d\.\d{4}|nan)")
+MOUNTAIN_CAR_ITERATIONS = 60
 
 
 def _load_script():
     path = ROOT / "scripts" / "cartpole.py"
     spec = importlib.util.spec_from_file_location("cartpole_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -122,12 +127,33 @@ def test_main_prints_the_line_and_short_runs_learn(cartpole, capsys):
     scores = {0: float(match.group(1))}
     steps = SHORT_ITERATIONS * cartpole.NUM_ENVS * cartpole.STEPS_PER_ITER
     assert int(match.group(2)) == steps and float(match.group(3)) > 0
+    # auto: CartPole's reward 1 a step at gamma 0.98 gives [0, 1 / (1 - 0.98)]
+    assert (float(match.group(4)), float(match.group(5))) == (0.0, 50.0)
+    assert float(match.group(6)) < 0.05
     result = cartpole.run(SHORT_ITERATIONS, seed=1)
     assert result["env_steps"] == steps
     assert cartpole.format_result(result) == (
         f"mean_return={result['mean_return']:.2f} env_steps={steps} "
-        f"seconds={result['seconds']:.1f}")
+        f"seconds={result['seconds']:.1f} support=[0, 50] "
+        f"edge_mass={result['edge_mass']:.4f}")
     scores[1] = result["mean_return"]
     for seed, score in scores.items():
         assert 0.0 <= score <= 500.0, (seed, score)
         assert score >= MIN_SHORT_RETURN > 5 * random_return, (seed, score, random_return)
+
+
+def test_mountain_car_gets_a_support_that_fits_its_negative_returns(cartpole, capsys):
+    """MountainCar-v0 pays -1 a step: auto derives [-50, 0] from a random rollout (gamma 0.98,
+    no hand-set range), which holds every discounted return, and a short run's targets stay on
+    it (tests/test_learner.py checks that a support off the returns warns)."""
+    task = cartpole.TASKS["MountainCar-v0"]
+    rewards = np.asarray(cartpole.observed_rewards(task, jax.random.PRNGKey(0)))
+    assert set(np.unique(rewards)) == {-1.0}
+    cartpole.main(["--env", "MountainCar-v0", "--iterations", str(MOUNTAIN_CAR_ITERATIONS)])
+    out = capsys.readouterr().out.strip().splitlines()
+    match = LINE.fullmatch(out[-1])
+    assert match is not None, out
+    v_min, v_max, edge = (float(match.group(i)) for i in (4, 5, 6))
+    assert (v_min, v_max) == (-50.0, 0.0)
+    assert -200.0 <= float(match.group(1)) <= 0.0
+    assert edge < 0.05 and len(out) == 1  # no warning line

@@ -340,7 +340,7 @@ def test_shapes_dtypes_and_params(us_tables):
     assert term.dtype == trunc.dtype == info["traded"].dtype == jnp.bool_
     assert info["barrier"].dtype == info["fills"].dtype == jnp.int32
     assert {k: v.dtype for k, v in info.items() if k not in ("traded", "barrier", "fills")} == \
-        {k: jnp.float32 for k in ("equity", "cost", "exit_price", "turnover")}
+        {k: jnp.float32 for k in ("equity", "cost", "fill_price", "exit_price", "turnover")}
     with pytest.raises(ConfigError, match="unknown split 'dev'"):
         trading.make_params(us_tables, cfg, "dev")
     # a longer horizon than the tables' (walking a whole split) is allowed; starts stay the

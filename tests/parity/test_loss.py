@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from foxhunt_jax.agent.loss import (c51_double_q_loss, c51_loss, categorical_projection,
-                                    n_step_targets)
+from foxhunt_jax.agent.loss import (EDGE_TOLERANCE, c51_double_q_loss, c51_loss,
+                                    c51_loss_and_edge_mass, categorical_projection,
+                                    clipped_edge_mass, n_step_targets)
 from foxhunt_jax.agent.network import support
 from foxhunt_jax.errors import ConfigError
 
@@ -45,6 +46,20 @@ def np_projection(probs, returns, discounts, z):
             else:
                 out[m, lo] += probs[m, j] * (hi - b)
                 out[m, hi] += probs[m, j] * (b - lo)
+    return out
+
+
+def np_edge_mass(probs, returns, discounts, z):
+    """Mass of the atoms whose shifted value lies past an edge by more than the tolerance."""
+    probs, returns, discounts, z = (np.asarray(x, np.float64)
+                                    for x in (probs, returns, discounts, z))
+    tol = EDGE_TOLERANCE * (z[-1] - z[0]) / (len(z) - 1)
+    out = np.zeros(len(returns))
+    for m in range(len(returns)):
+        for j in range(len(z)):
+            tz = returns[m] + discounts[m] * z[j]
+            if tz < z[0] - tol or tz > z[-1] + tol:
+                out[m] += probs[m, j]
     return out
 
 
@@ -322,3 +337,48 @@ def test_n_step_rejects_bad_n():
     # A NumPy integer (as read from arrays or configs) is accepted.
     _, _, offs = n_step_targets(z, z > 0, z > 0, 0.9, np.int64(2))
     np.testing.assert_array_equal(offs, [[2, 2], [2, 2], [2, 2], [1, 1]])
+
+
+# ---------------------------------------------------------------------------------------------
+# support_edge_mass: target probability clipped onto the edge atoms
+
+
+@pytest.mark.parametrize("k", [11, 51])
+def test_edge_mass_matches_float64_reference(rng, k):
+    """Fresh random distributions, returns from well inside to far outside the support."""
+    m = 256
+    lo, hi = sorted(rng.uniform(-60.0, 60.0, size=2))
+    hi += 1.0
+    probs = np_softmax(rng.normal(size=(m, k)) * 2)
+    returns = rng.normal(size=m) * (hi - lo) / 3
+    discounts = rng.choice([0.0, 0.9, 0.99, 1.0], size=m)
+    args = (probs.astype(np.float32), returns.astype(np.float32), discounts.astype(np.float32),
+            support(lo, hi, k))
+    got = jax.jit(clipped_edge_mass)(*args)
+    ref = np_edge_mass(probs, returns, discounts, np.linspace(lo, hi, k))
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=1e-6)
+    assert 0.0 < ref.mean() < 1.0  # the draw clips some mass and not all of it
+
+
+def test_edge_mass_of_the_loss_and_its_extremes(rng):
+    """The loss's edge mass is the branch mean of each branch's; returns far outside clip all
+    the mass, a return that lands every atom inside none, and a constant reward's fixed point
+    (a value on the edge) none."""
+    m, k, branches = 64, 11, (5, 3, 3)
+    z = support(-10.0, 10.0, k)
+    taken = tuple(jnp.asarray(rng.normal(size=(m, k)), jnp.float32) for _ in branches)
+    target = tuple(jnp.asarray(rng.normal(size=(m, k)), jnp.float32) for _ in branches)
+    returns = jnp.asarray(rng.normal(size=m) * 5, jnp.float32)
+    discounts = jnp.full((m,), 0.9, jnp.float32)
+    loss, edge = jax.jit(c51_loss_and_edge_mass)(taken, target, returns, discounts, z)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(c51_loss(taken, target, returns,
+                                                                     discounts, z)), rtol=1e-6)
+    ref = np.mean([np_edge_mass(np_softmax(t), returns, discounts, np.linspace(-10, 10, k))
+                   for t in target], axis=0)
+    np.testing.assert_allclose(np.asarray(edge, np.float64), ref, atol=1e-6)
+    probs = jnp.asarray(np_softmax(rng.normal(size=(m, k))), jnp.float32)
+    ones = jnp.ones((m,), jnp.float32)
+    for r, d, want in ((500.0, 0.99, 1.0), (-500.0, 0.99, 1.0), (0.0, 0.5, 0.0),
+                       (-1.0, 0.9, 0.0)):  # -1 + 0.9 * -10 = -10: on the edge
+        got = clipped_edge_mass(probs, r * ones, d * ones, z)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, err_msg=str((r, d)))

@@ -98,3 +98,33 @@ def test_the_learners_loss_is_the_same_on_both_backends():
     for name in backends.NAMES:
         got = per_sample_loss(learner, *args, backend=backends.make(name, tuning.for_device()))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_dtype_auto_resolves_per_device_once_per_run():
+    cfg = load_config("smoke")
+    assert cfg.network.dtype == "auto"
+    on_gpu, on_cpu = backends.resolve_config(cfg, GPU), backends.resolve_config(cfg, CPU)
+    assert on_gpu.network.dtype == "bfloat16" and on_cpu.network.dtype == "float32"
+    # the fast path on a GPU: bf16 and the kernels; XLA in float32 on a CPU
+    assert backends.resolve(cfg.network, GPU).name == "pallas"
+    assert backends.resolve(on_gpu.network, GPU).name == "pallas"
+    assert backends.resolve(on_cpu.network, CPU).name == "xla"
+    # a concrete dtype is kept; pallas asked for off a GPU is refused rather than run in f32
+    f32 = load_config("smoke", ["network.dtype=float32"])
+    assert backends.resolve_config(f32, GPU) is f32
+    assert backends.resolve(f32.network, GPU).name == "xla"
+    with pytest.raises(ConfigError, match="network.backend"):
+        backends.resolve_config(load_config("smoke", ["network.backend=pallas"]), CPU)
+    with pytest.raises(ConfigError, match="network.backend"):
+        load_config("smoke", ["network.backend=pallas", "network.dtype=float32"])
+
+
+def test_a_run_records_the_dtype_it_ran_with(tmp_path):
+    from foxhunt_jax import api
+    from foxhunt_jax.config import read_yaml
+
+    cfg = load_config("smoke", ["train.epochs=1", "train.num_episodes=8", "env.episode_length=8",
+                                "train.train_steps=1", "train.batch_size=8",
+                                "train.validation_windows=2", "replay.capacity=256"])
+    api.train(cfg, tmp_path / "run", progress=False, final_report=False, log=lambda line: None)
+    assert read_yaml(tmp_path / "run" / "config.yaml")["network"]["dtype"] == "float32"

@@ -13,7 +13,12 @@ from foxhunt_jax.agent.learner import (beta_at, beta_from, epsilon_at, epsilon_f
                                        schedule_values, make_learner, per_sample_loss,
                                        train_steps)
 from foxhunt_jax.agent.network import expected_q
+from foxhunt_jax.agent.value_range import (EDGE_MASS_WARNING, edge_mass_warning,
+                                           holding_returns, resolve_trading, trading_range)
 from foxhunt_jax.config import load_config
+from foxhunt_jax.data.features import build_tables
+from foxhunt_jax.data.synthetic import make_synthetic
+from foxhunt_jax.errors import ConfigError
 from transitions import random_transitions
 
 GAMMA = 0.9
@@ -47,7 +52,8 @@ def chain_mdp():
 
 def _cfg(*extra):
     return load_config(None, ["network.trunk=[64]", "network.head=32", "network.atoms=21",
-                              "network.v_min=0", "network.v_max=5", "curiosity.coef=0",
+                              "network.support=explicit", "network.v_min=0", "network.v_max=5",
+                              "curiosity.coef=0",
                               "replay.capacity=64", "replay.alpha=0", "train.batch_size=8",
                               f"train.gamma={GAMMA}", "train.learning_rate=3e-3",
                               "train.target_update=hard", "train.target_period=50", *extra])
@@ -168,3 +174,65 @@ def test_epsilon_greedy_explores_at_rate():
         assert abs(rate - 0.3 * (size - 1) / size) < 0.015
     greedy = np.asarray(epsilon_greedy(jax.random.PRNGKey(1), (l0, l1), z, 0.0))
     assert (greedy == np.array([2, 1])).all()
+
+
+def test_misconfigured_support_puts_the_targets_on_an_edge_and_warns():
+    """Negative returns (the chain MDP's rewards made negative) on a [0, 5] support: the
+    projection clips nearly all target probability onto the lowest atom, and the run's one
+    warning line names the keys to change; the support auto would derive holds them."""
+    items, _ = chain_mdp()
+    items = dict(items, reward=-items["reward"])
+    learner = make_learner(_cfg(), (2,))
+    agent = init_agent(jax.random.PRNGKey(1), learner, 5)
+    buf = replay.add(replay.init(jax.tree.map(lambda x: x[0], items), 64), items)
+    decode = lambda it: (it["obs"], it["next_obs"])
+    run = jax.jit(lambda a, b, k: train_steps(learner, decode, a, b, k, jnp.float32(1.0), 300))
+    agent, buf, m = run(agent, buf, jax.random.PRNGKey(2))
+    assert float(m["support_edge_mass"]) > 0.8  # the mean of the 300 steps, early ones too
+    line = edge_mass_warning(7, float(m["support_edge_mass"]), 0.0, 5.0)
+    assert line.startswith("warning: epoch 7:") and "network.support" in line
+    assert "network.v_min" in line and "network.v_max" in line
+    assert edge_mass_warning(7, EDGE_MASS_WARNING / 2, 0.0, 5.0) is None
+    fitting = make_learner(_cfg("network.v_min=-5", "network.v_max=0"), (2,))
+    agent = init_agent(jax.random.PRNGKey(1), fitting, 5)
+    run = jax.jit(lambda a, b, k: train_steps(fitting, decode, a, b, k, jnp.float32(1.0), 300))
+    assert float(run(agent, buf, jax.random.PRNGKey(2))[2]["support_edge_mass"]) < 0.01
+
+
+def test_support_keys_are_validated():
+    assert load_config(None).network.support == "auto"
+    with pytest.raises(ConfigError, match="network.support"):
+        load_config(None, ["network.support=wide"])
+    with pytest.raises(ConfigError, match="used only with network.support=explicit"):
+        load_config(None, ["network.v_min=-50"])
+    cfg = load_config(None, ["network.support=explicit", "network.v_min=-50", "network.v_max=0"])
+    assert (cfg.network.v_min, cfg.network.v_max) == (-50.0, 0.0)
+
+
+def test_trading_support_from_training_bars_only():
+    """auto on the trading env: float64 brute-force holding returns; the test and validation
+    bars do not move it (no look-ahead); explicit is kept; the result is recorded as
+    explicit."""
+    cfg = load_config("synthetic", ["network.support=auto", "network.v_min=-10",
+                                    "network.v_max=10", "data.synthetic.bars=300",
+                                    "data.synthetic.instruments=2", "env.episode_length=20"])
+    market = make_synthetic(cfg.data.synthetic)
+    tables = build_tables(market, cfg.data.splits, cfg.env.episode_length)
+    gamma = cfg.train.gamma
+    sums = holding_returns(tables, gamma)
+    want = []
+    for first, last in tables.segments["train"]:
+        x = np.diff(np.log(np.asarray(tables.close[first:last + 1], np.float64)))
+        want += [sum(gamma ** k * x[t + k] for k in range(len(x) - t)) for t in range(len(x))]
+    np.testing.assert_allclose(sums, want, rtol=1e-9, atol=1e-12)
+    lo, hi = trading_range(tables, cfg.env, gamma)
+    assert lo < 100 * min(-np.max(sums), np.min(sums)) and hi > 100 * np.max(np.abs(sums))
+    for split in ("validation", "test"):  # a wild later market
+        for first, last in tables.segments[split]:
+            tables.close[first:last + 1] *= np.exp(np.arange(last + 1 - first) * 0.3)
+    assert trading_range(tables, cfg.env, gamma) == (lo, hi)
+    resolved = resolve_trading(cfg, tables).network
+    assert resolved.support == "explicit"
+    assert resolved.v_min <= lo < hi <= resolved.v_max < hi + 0.01 * abs(hi)
+    explicit = load_config("synthetic")
+    assert resolve_trading(explicit, tables) is explicit
