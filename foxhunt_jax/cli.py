@@ -393,6 +393,62 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_walkforward(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default="default",
+                   help="YAML config: a path or a name in configs/ (default: default)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable)")
+    p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
+                   help="market data replacing data.source (repeatable)")
+    p.add_argument("--folds", metavar="K", required=True,
+                   help="folds: the data after the warm-up is cut into K + 1 blocks; fold k "
+                        "trains on blocks before block k and tests on it")
+    p.add_argument("--window", default="expanding",
+                   help="expanding (all earlier blocks, default) or sliding (the last "
+                        "--sliding-blocks)")
+    p.add_argument("--sliding-blocks", metavar="N", default="2",
+                   help="blocks a sliding fold trains on (default 2)")
+    p.add_argument("--validation-fraction", metavar="F", default="0.2",
+                   help="the last part of each fold's training period that validates "
+                        "(default 0.2)")
+    p.add_argument("--out", metavar="DIR", required=True,
+                   help="new or empty folder; gets fold_1..fold_K run folders, "
+                        "walkforward.json and walkforward.png")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a walk-forward in --out (same config, folds and window)")
+
+
+def cmd_walkforward(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from foxhunt_jax.config import load_config
+    from foxhunt_jax.jitcache import enable_compilation_cache
+    from foxhunt_jax.research.walkforward import walkforward
+
+    try:
+        folds = int(args.folds)
+    except ValueError:
+        raise ConfigError(f"--folds must be an integer >= 1, got {args.folds!r}") from None
+    try:
+        sliding_blocks = int(args.sliding_blocks)
+    except ValueError:
+        raise ConfigError(f"--sliding-blocks must be an integer >= 1, got "
+                          f"{args.sliding_blocks!r}") from None
+    try:
+        validation_fraction = float(args.validation_fraction)
+    except ValueError:
+        raise ConfigError(f"--validation-fraction must be in (0, 1), got "
+                          f"{args.validation_fraction!r}") from None
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append("data.source=[" + ", ".join(repr(d) for d in args.data) + "]")
+    cfg = load_config(args.config, overrides)
+    enable_compilation_cache()
+    walkforward(cfg, folds, args.window, Path(args.out), resume=args.resume,
+                sliding_blocks=sliding_blocks, validation_fraction=validation_fraction)
+    return 0
+
+
 def _args_bench(p: argparse.ArgumentParser) -> None:
     from foxhunt_jax.bench import add_arguments
 
@@ -420,6 +476,9 @@ COMMANDS: tuple[Command, ...] = (
             "meaning and default", _args_config_show, cmd_config_show),
     Command(("config", "keys"), "list every config key with its type, default and meaning",
             _args_config_keys, cmd_config_keys),
+    Command(("walkforward",), "train and test K folds through time; stitch the test blocks into "
+            "one out-of-sample equity curve with its significance", _args_walkforward,
+            cmd_walkforward),
     Command(("bench",), "time every phase, compile, collection, training and replay on this "
             "device; print tables and write JSON", _args_bench, cmd_bench),
 )
@@ -478,4 +537,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command", "cmd_data_check", "cmd_train",
            "cmd_evaluate", "cmd_act", "cmd_export", "cmd_bench", "cmd_config_show",
-           "cmd_config_keys", "human_duration"]
+           "cmd_config_keys", "cmd_walkforward", "human_duration"]

@@ -60,6 +60,10 @@ class DataConfig:
     split_dates: tuple[str, ...] = setting(
         (), "[validation_start, test_start] (ISO dates or times) in place of the fractions; "
             "[] = unset")
+    # the market a walk-forward fold sees (foxhunt_jax.data.loader.window_market)
+    window: tuple[str, ...] = setting(
+        (), "[start, end] (ISO dates or times): load only bars with start <= time < end; "
+            "[] = every bar")
     sort: bool = setting(False, "sort unsorted timestamps instead of rejecting the file")
     synthetic: SyntheticConfig = setting(factory=SyntheticConfig,
                                          meaning="the builtin:synthetic market")
@@ -382,6 +386,8 @@ def validate(cfg: Config) -> Config:
            "must be three positive fractions summing to 1", d.splits)
     if d.split_dates:
         parse_split_dates(d.split_dates)
+    if d.window:
+        parse_split_dates(d.window, "data.window", ("start", "end"))
     s = d.synthetic
     _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
     _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)

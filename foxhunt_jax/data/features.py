@@ -497,19 +497,23 @@ class SplitDates:
     rule: str
 
 
-def parse_split_dates(dates) -> tuple[np.datetime64, np.datetime64]:
-    """``data.split_dates`` ``[validation_start, test_start]`` (ISO dates or times) as
-    datetime64[ns]; ConfigError unless there are two, both parse and the first is earlier."""
+def parse_split_dates(dates, key: str = "data.split_dates",
+                      names: tuple[str, str] = ("validation_start", "test_start")
+                      ) -> tuple[np.datetime64, np.datetime64]:
+    """``data.split_dates`` ``[validation_start, test_start]`` (or another ``key`` holding two
+    increasing times ``names``) as datetime64[ns]; ConfigError unless there are two, both parse
+    and the first is earlier."""
+    pair = f"[{names[0]}, {names[1]}]"
     if len(dates) != 2:
-        raise ConfigError(f"config key 'data.split_dates' must be empty or two dates "
-                          f"[validation_start, test_start], got {list(dates)!r}")
+        raise ConfigError(f"config key '{key}' must be empty or two dates {pair}, "
+                          f"got {list(dates)!r}")
     try:
         first, second = (np.datetime64(str(d).strip(), "ns") for d in dates)
     except ValueError:
-        raise ConfigError(f"config key 'data.split_dates' must hold ISO dates such as "
+        raise ConfigError(f"config key '{key}' must hold ISO dates such as "
                           f"2012-01-01, got {list(dates)!r}") from None
     if np.isnat(first) or np.isnat(second) or not first < second:
-        raise ConfigError(f"config key 'data.split_dates' needs validation_start < test_start, "
+        raise ConfigError(f"config key '{key}' needs {names[0]} < {names[1]}, "
                           f"got {list(dates)!r}")
     return first, second
 

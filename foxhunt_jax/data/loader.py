@@ -44,7 +44,8 @@ import pandas as pd
 from foxhunt_jax.config import SyntheticConfig, from_dict, to_dict
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.data.checks import PRICE_RULE, first_price_problem, require_memory
-from foxhunt_jax.data.features import SplitDates, split_bounds, tables_peak_bytes
+from foxhunt_jax.data.features import (SplitDates, parse_split_dates, split_bounds,
+                                       tables_peak_bytes)
 from foxhunt_jax.data.market import (
     MARKET_BYTES_PER_BAR,
     WARMUP_BARS,
@@ -132,6 +133,7 @@ def load_market(
     synthetic: SyntheticConfig | None = None,
     min_bars: int = MIN_BARS,
     on_warning: Callable[[str], None] = warn_to_stderr,
+    window: Sequence[str] = (),
 ) -> MarketData:
     """Loads, validates and merges the instruments of all ``sources``.
 
@@ -148,6 +150,7 @@ def load_market(
         a multi-instrument file is skipped for having fewer than ``min_bars`` bars; the default
         prints ``warning: <message>`` to stderr. A file whose instruments are all too short
         raises instead.
+      window: ``data.window`` ``[start, end]``: :func:`window_market` of the loaded market.
 
     Returns:
       MarketData with instruments in source order (then order of first appearance in a file);
@@ -172,11 +175,34 @@ def load_market(
                                             f"{seen[ins.name]}; instrument names must be unique")
             seen[ins.name] = ins.source
             instruments.append(ins)
-    return MarketData(
+    market = MarketData(
         instruments=tuple(instruments),
         bar_seconds=median_bar_seconds(instruments),
         bars_per_year=observed_bars_per_year(instruments),
     )
+    return window_market(market, window) if len(window) else market
+
+
+def window_market(market: MarketData, window: Sequence[str]) -> MarketData:
+    """The market of the bars with ``start <= time < end`` (``window`` = ``data.window``),
+    as if no other bar existed: an instrument left with ``WARMUP_BARS`` bars or fewer (none
+    tradable) is dropped, and the frequency and bars per year are those of the bars kept. A
+    window that keeps no instrument: DataError."""
+    start, end = parse_split_dates(window, "data.window", ("start", "end"))
+    kept = []
+    for ins in market.instruments:
+        ts = np.asarray(ins.timestamps).astype("datetime64[ns]")
+        rows = slice(int(np.searchsorted(ts, start, "left")), int(np.searchsorted(ts, end, "left")))
+        if rows.stop - rows.start > WARMUP_BARS:
+            kept.append(Instrument(ins.name, ins.source, ts[rows],
+                                   *(np.asarray(getattr(ins, k))[rows]
+                                     for k in ("open", "high", "low", "close", "volume"))))
+    if not kept:
+        sources = ", ".join(sorted({ins.source for ins in market.instruments})) or "market"
+        raise DataError(sources, f"data.window {list(window)!r} keeps more than {WARMUP_BARS} bars "
+                                 "(the warm-up) of no instrument")
+    return MarketData(instruments=tuple(kept), bar_seconds=median_bar_seconds(kept),
+                      bars_per_year=observed_bars_per_year(kept))
 
 
 def _load_source(src, *, sort, synthetic, min_bars, on_warning) -> list[Instrument]:
@@ -633,7 +659,8 @@ def _order_bars(ts, idx, rows, label, time_col, name, sort) -> np.ndarray:
 
 
 __all__ = [
-    "load_market", "load_file", "frame_to_instruments", "parse_timestamps", "split_counts",
+    "load_market", "window_market", "load_file", "frame_to_instruments",
+    "parse_timestamps", "split_counts",
     "min_bars_needed", "warn_to_stderr", "require_regular_file", "synthetic_memory_bytes",
     "MIN_BARS", "WARMUP_BARS", "EPISODE_BARS", "DEFAULT_SPLITS", "BUILTIN_NAMES",
 ]

@@ -84,7 +84,8 @@ def run_statistics(run_dir: str | Path, cfg: Config, warn=None) -> dict:
         return stats
     (warn or _warn)(f"{run_dir} has no {STATISTICS_FILE} (trained before runs stored it); "
                     "recomputing the normalization statistics from the run's config and data")
-    market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
+    market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
+                                 window=cfg.data.window)
     tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                           features=cfg.data.features, split_dates=cfg.data.split_dates)
     return statistics_of(tables, market)

@@ -314,7 +314,8 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
       ``random``: ``policies`` (``P``) and ``p5``, ``p50``, ``p95``, each metric's percentile
       over the ``P`` random portfolios (:func:`metric_percentiles`); ``agent_percentile``:
       :func:`beat_percentiles` of the agent's portfolio among them; ``per_instrument``: policy
-      -> instrument -> the metrics of that instrument's own walk.
+      -> instrument -> the metrics of that instrument's own walk; ``random_curves``
+      ``[P, K+1]``: each random portfolio's equity (what a walk-forward chains across folds).
     """
     portfolios = {name: portfolio_by_date(p["equity"], p["exposure"], p["trades"], bar_dates)
                   for name, p in paths.items()}
@@ -337,7 +338,7 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
         curves[f"random_p{q}"] = np.percentile(rand["equity"], q, axis=0)
     return {"dates": rand["dates"], "curves": curves,
             "exposure": {"agent": portfolios["agent"]["exposure"]}, "metrics": metrics,
-            "paths": paths}
+            "paths": paths, "random_curves": rand["equity"]}
 
 
 

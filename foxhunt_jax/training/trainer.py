@@ -79,7 +79,8 @@ class Trainer:
         local = parallel.local_device(mesh)
         cfg = resolve_config(cfg, local)  # network.dtype auto, for this device
         if market is None:
-            market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic)
+            market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
+                                 window=cfg.data.window)
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                               features=cfg.data.features, split_dates=cfg.data.split_dates)
         cfg = resolve_trading(cfg, tables)  # network.support auto: the range, from train bars

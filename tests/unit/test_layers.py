@@ -1,5 +1,5 @@
 """Imports only go down the layers: foundation -> data -> env -> pallas_kernels -> agent ->
-backend -> training -> research -> policy -> api/cli.
+backend -> training -> research -> policy -> api -> research.walkforward -> cli.
 
 Every module of ``foxhunt_jax`` and ``pallas_kernels`` is parsed with ``ast`` and each of its
 imports (top-level and inside functions) of those packages is checked:
@@ -44,8 +44,10 @@ LAYERS = [
     ("training", ("foxhunt_jax.training",)),
     ("research", ("foxhunt_jax.research",)),  # significance of the training's metrics
     ("policy", ("foxhunt_jax.policy",)),
-    ("api/cli", ("foxhunt_jax.api", "foxhunt_jax.cli", "foxhunt_jax.bench",
-                 "foxhunt_jax.__main__", "foxhunt_jax")),
+    ("api", ("foxhunt_jax.api",)),
+    # the walk-forward trains whole runs through the api, one per fold
+    ("walk-forward", ("foxhunt_jax.research.walkforward",)),
+    ("cli", ("foxhunt_jax.cli", "foxhunt_jax.bench", "foxhunt_jax.__main__", "foxhunt_jax")),
 ]
 CLI_SURFACE = ("foxhunt_jax.cli", "foxhunt_jax.bench")
 # (module, target): jitcache imports JAX only when a function runs, so that reading its constants
@@ -66,9 +68,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _layer(module: str) -> int:
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "foxhunt_jax"):
-            return rank
+    """The layer of the longest prefix that names ``module`` or a package holding it."""
+    matches = [(len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+               if p != "foxhunt_jax" and (module == p or module.startswith(p + "."))]
+    if matches:
+        return max(matches)[1]
     if module == "foxhunt_jax":
         return len(LAYERS) - 1
     raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
