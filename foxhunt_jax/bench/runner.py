@@ -92,6 +92,8 @@ def run(args, argv=None) -> dict:
     apply_defaults(args)
     if args.child:
         return child.child_main(args)
+    if args.quick:  # a check of every code path: its timings mean nothing, so the caller's
+        return run_sections(args, argv)  # compile cache may serve it
     # In-process compiles start from a fresh persistent cache that only this run writes (the
     # compile section's children use cache folders of their own); the caller's cache settings
     # come back afterwards (a test process keeps its own folder).

@@ -354,6 +354,11 @@ def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
     assert {r["op"] for r in rep} == {"add 256", "add 64", "sample 16", "update 16"}
     assert all(r["ours_ms"] is None or r["ours_ms"] > 0 for r in rep)
     assert printed.count("| 1,024 | ") == len(rep)
+    pol = saved["policy"]["rows"]  # --quick: the first variant, both paths, 1 and 1,000
+    assert sorted((r["path"], r["instruments"]) for r in pol) == [
+        ("exported", 1), ("exported", 1000), ("library", 1), ("library", 1000)]
+    assert all(0 < r["median_us"] <= r["p99_us"] and r["calls"] == 20 for r in pol)
+    assert "A live decision (Policy.step)" in printed
     assert saved["cmdbuf"]["skipped"] == "command buffers are a GPU feature"
     assert "skipped: command buffers are a GPU feature" in printed
     assert saved["roofline"]["q_forward_flops"] == fwd["flops_per_row"]

@@ -20,7 +20,7 @@ from foxhunt_jax import api
 from foxhunt_jax.agent.learner import beta_at, epsilon_at
 from foxhunt_jax.backend import resolve
 from foxhunt_jax.cli import main
-from foxhunt_jax.config import load_config
+from foxhunt_jax.config import load_config, read_yaml
 from foxhunt_jax.errors import NonFiniteError
 from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
@@ -47,6 +47,12 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
     cfg = load_config("smoke")
     res = api.train(cfg, out, progress=False, log=lambda s: None)
     assert (out / "config.yaml").exists()
+    # the run records what it resolved on this device: network.dtype auto is float32 on a CPU,
+    # network.support auto the range derived from the training split
+    saved = read_yaml(out / "config.yaml")["network"]
+    assert cfg.network.dtype == "auto" and saved["dtype"] == "float32"
+    assert cfg.network.support == "auto" and saved["support"] == "explicit"
+    assert saved["v_min"] < 0 < saved["v_max"]
     recs = read_metrics(out)
     assert [r["epoch"] for r in recs] == [1, 2, 3]
     for r in recs:

@@ -118,13 +118,3 @@ def test_dtype_auto_resolves_per_device_once_per_run():
     with pytest.raises(ConfigError, match="network.backend"):
         load_config("smoke", ["network.backend=pallas", "network.dtype=float32"])
 
-
-def test_a_run_records_the_dtype_it_ran_with(tmp_path):
-    from foxhunt_jax import api
-    from foxhunt_jax.config import read_yaml
-
-    cfg = load_config("smoke", ["train.epochs=1", "train.num_episodes=8", "env.episode_length=8",
-                                "train.train_steps=1", "train.batch_size=8",
-                                "train.validation_windows=2", "replay.capacity=256"])
-    api.train(cfg, tmp_path / "run", progress=False, final_report=False, log=lambda line: None)
-    assert read_yaml(tmp_path / "run" / "config.yaml")["network"]["dtype"] == "float32"
