@@ -203,11 +203,14 @@ class Pipeline:
                     "training": (training, train_args),
                     "validation": (validation, validation_args + (self._local_agent(state),))}
         if queued and self.pairs_rollouts:
+            # the validated parameters' copy (EpochResults.validated_params) is made inside the
+            # program, so no launch of its own sits between Training and Validation
             paired = jit(lambda v, w, p, s, e: phases.validation_experience(
-                             learner, backend, cfg, v, w, p, s, e),
+                             learner, backend, cfg, v, w, p, s, e)
+                         + (jax.tree.map(jnp.copy, s.agent.params),),
                          donate_argnums=3,
                          in_shardings=(replicated, replicated, replicated, placed, replicated),
-                         out_shardings=(replicated, replicated, placed, replicated))
+                         out_shardings=(replicated, replicated, placed, replicated, replicated))
             programs[PAIRED_PROGRAM] = (paired, validation_args + train_args)
         return programs
 
@@ -264,15 +267,15 @@ class Pipeline:
             state, experience, training = self._queue_experience_and_training(state)
 
         inputs, next_epoch = self.inputs, None
-        validated_params = self._copy(state.agent.params)  # queued before anything donates them
         if queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
-            paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
+            paths, loss, state, next_stats, validated_params = self.programs[PAIRED_PROGRAM](
                 inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
                 state, inputs.schedule)
             validation = Queued((paths, loss), ready_clock((paths, loss)))
             next_epoch = self._queue_training(state, next_stats)
         else:
+            validated_params = self._copy(state.agent.params)  # before anything donates them
             paths, loss = self.programs["validation"](
                 inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
             validation = Queued((paths, loss), ready_clock((paths, loss)))
