@@ -307,14 +307,17 @@ def test_latency_measures_library_and_export(run_dir, export_dir):
             assert 0 < res[path][n]["median_us"] <= res[path][n]["p99_us"]
 
 
-def test_docs_library_example_runs(run_dir, tmp_path, monkeypatch):
-    text = (ROOT / "docs" / "using.md").read_text()
-    section = text.split("## Using a trained agent", 1)[1].split("### Library", 1)[1]
+@pytest.mark.parametrize("doc", ["README.md", "docs/using.md"])
+def test_docs_library_example_runs(doc, run_dir, tmp_path, monkeypatch):
+    text = (ROOT / doc).read_text()
+    section = text.split("## Using a trained agent", 1)[1]
+    if doc != "README.md":
+        section = section.split("### Library", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "runs").mkdir()
     shutil.copytree(run_dir, tmp_path / "runs" / "smoke")
     monkeypatch.chdir(tmp_path)
     scope = {}
-    exec(compile(block, "docs/using.md", "exec"), scope)
+    exec(compile(block, doc, "exec"), scope)
     assert scope["decisions"][0]["instrument"] == "AAPL"
     assert (tmp_path / "runs" / "smoke-policy" / "load_policy.py").exists()
