@@ -295,6 +295,8 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     agent = _selected_agent(trainer, state, out, selection, selected_params)
     if final_report:
         summary, written = _final_report(trainer, agent, state, selection, history, out, log)
+        if writer is not None:
+            writer.log_report(summary, int(state.epoch))
     if out is not None and jax.process_index() == 0:
         log(wrote_line(out, written, tensorboard=writer is not None and writer.tensorboard))
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary,

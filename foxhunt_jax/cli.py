@@ -397,12 +397,12 @@ def _args_walkforward(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default="default",
                    help="YAML config: a path or a name in configs/ (default: default)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                   help="dotted override, e.g. --set train.epochs=5 (repeatable)")
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable; default: none)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
-                   help="market data replacing data.source (repeatable)")
+                   help="market data replacing data.source (repeatable; default: the config's)")
     p.add_argument("--folds", metavar="K", required=True,
                    help="folds: the data after the warm-up is cut into K + 1 blocks; fold k "
-                        "trains on blocks before block k and tests on it")
+                        "trains on blocks before block k and tests on it (required)")
     p.add_argument("--window", default="expanding",
                    help="expanding (all earlier blocks, default) or sliding (the last "
                         "--sliding-blocks)")
@@ -413,9 +413,10 @@ def _args_walkforward(p: argparse.ArgumentParser) -> None:
                         "(default 0.2)")
     p.add_argument("--out", metavar="DIR", required=True,
                    help="new or empty folder; gets fold_1..fold_K run folders, "
-                        "walkforward.json and walkforward.png")
+                        "walkforward.json and walkforward.png (required)")
     p.add_argument("--resume", action="store_true",
-                   help="continue a walk-forward in --out (same config, folds and window)")
+                   help="continue a walk-forward in --out (same config, folds and window; "
+                        "default: off)")
 
 
 def cmd_walkforward(args: argparse.Namespace) -> int:

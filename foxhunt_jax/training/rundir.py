@@ -459,6 +459,20 @@ class RunWriter:
             tb.add_scalar(key, float(value), global_step=epoch)
         tb.flush()
 
+    def log_report(self, summary: Mapping[str, Any], epoch: int) -> None:
+        """With :attr:`tensorboard`, the final report's numbers at step ``epoch``: each split's
+        portfolio metrics by policy, the random band and the agent's percentile, as
+        ``report/<split>/<policy>/<metric>`` (``per_instrument`` stays in summary.json)."""
+        if not (self.active and self.tensorboard):
+            return
+        tb = self._writer()
+        for split in ("validation", "test"):
+            metrics = {k: v for k, v in summary.get(split, {}).items() if k != "per_instrument"}
+            for key, value in flatten(to_jsonable(metrics), f"report/{split}/").items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    tb.add_scalar(key, float(value), global_step=epoch)
+        tb.flush()
+
     def _writer(self):
         if self._tb is None:
             from tensorboardX import SummaryWriter  # imported late: only process 0 needs it

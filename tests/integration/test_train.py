@@ -25,6 +25,7 @@ from foxhunt_jax.errors import NonFiniteError
 from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
 from foxhunt_jax.training.rundir import read_metrics
+from test_report import read_events, visible_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ["--config", "smoke", "--no-progress"]
@@ -49,6 +50,12 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
     assert (out / "config.yaml").exists()
     # the run records what it resolved on this device: network.dtype auto is float32 on a CPU,
     # network.support auto the range derived from the training split
+    # the final report's numbers in TensorBoard too, at the last epoch
+    shown = visible_scalars(read_events(out / "tb"))
+    assert shown["report/test/agent/sharpe"] == {3: pytest.approx(
+        res.summary["test"]["agent"]["sharpe"], rel=1e-5, abs=1e-6)}
+    assert 3 in shown["report/test/agent_percentile/sharpe"]
+    assert 3 in shown["report/validation/random/p50/sharpe"]
     saved = read_yaml(out / "config.yaml")["network"]
     assert cfg.network.dtype == "auto" and saved["dtype"] == "float32"
     assert cfg.network.support == "auto" and saved["support"] == "explicit"
