@@ -33,6 +33,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"  # help text is %-formatted
 
 
+def _config_options(p: argparse.ArgumentParser, config_default: str | None = "default",
+                    config_note: str = "") -> None:
+    """``--config`` and ``--set``, as every command that builds a run's config takes them."""
+    p.add_argument("--config", metavar="FILE", default=config_default,
+                   help="YAML config: a path or a name in configs/" + config_note)
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="dotted override, e.g. --set train.epochs=5 (repeatable; default: none; "
+                        "`foxhunt-jax config keys` lists the keys)")
+
+
 @dataclass(frozen=True)
 class Command:
     path: tuple[str, ...]  # ("data", "check") is `foxhunt-jax data check`
@@ -172,10 +182,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 
 def _args_config_show(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default="default",
-                   help="YAML config: a path or a name in configs/")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                   help="dotted override, as for train (repeatable; default: none)")
+    _config_options(p)
     p.add_argument("--out", metavar="FILE", default=None,
                    help="write the YAML to this new file instead of stdout (default: stdout)")
 
@@ -226,12 +233,8 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 # Registry and entry point
 
 def _args_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="YAML config: a path or a name in configs/ (default: default; with "
-                        "--resume, the run's own DIR/config.yaml)")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                   help="dotted override, e.g. --set train.epochs=5 (repeatable; default: none; "
-                        "`foxhunt-jax config keys` lists the keys)")
+    _config_options(p, None, " (default: default; with --resume, the run's own "
+                             "DIR/config.yaml)")
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="market data replacing data.source (repeatable; default: the config's)")
     p.add_argument("--out", metavar="DIR", default=None,
@@ -394,10 +397,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _args_walkforward(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default="default",
-                   help="YAML config: a path or a name in configs/ (default: default)")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                   help="dotted override, e.g. --set train.epochs=5 (repeatable; default: none)")
+    _config_options(p)
     p.add_argument("--data", metavar="PATH|builtin:NAME", action="append", default=None,
                    help="market data replacing data.source (repeatable; default: the config's)")
     p.add_argument("--folds", metavar="K", required=True,
