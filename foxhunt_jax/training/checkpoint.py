@@ -393,15 +393,24 @@ def restore_latest(ckpt_dir: str | os.PathLike, target: Any,
     steps = all_steps(ckpt_dir)
     if not steps:
         raise FoxhuntError(f"no checkpoint in {ckpt_dir}")
+    found = _newest_intact(ckpt_dir, steps, target, lambda e: warn(f"warning: {e}; skipped"))
+    if found is None:
+        raise FoxhuntError(f"no intact checkpoint in {ckpt_dir} (steps "
+                           f"{', '.join(map(str, steps))} are damaged)")
+    return found
+
+
+def _newest_intact(ckpt_dir, steps: list[int], target: Any, skipped) -> tuple | None:
+    """``(tree, metadata, step)`` of the newest of ``steps`` that restores; ``skipped(error)``
+    for each damaged one passed over; None when all are damaged."""
     for step in reversed(steps):
         try:
-            state, meta = restore(ckpt_dir, step, target)
+            tree, meta = restore(ckpt_dir, step, target)
         except DamagedCheckpoint as e:
-            warn(f"warning: {e}; skipped")
+            skipped(e)
             continue
-        return state, meta, step
-    raise FoxhuntError(f"no intact checkpoint in {ckpt_dir} (steps {', '.join(map(str, steps))} "
-                       "are damaged)")
+        return tree, meta, step
+    return None
 
 
 def restore_selected(selected_dir: str | os.PathLike, epoch: int, target: Any,
@@ -414,13 +423,10 @@ def restore_selected(selected_dir: str | os.PathLike, epoch: int, target: Any,
     steps = [s for s in all_steps(selected_dir) if s <= epoch]
     if not steps:
         return None
-    for step in reversed(steps):
-        try:
-            params, meta = restore(selected_dir, step, target)
-        except DamagedCheckpoint as e:
-            warn(f"warning: {e}; skipped, the agent selected before it is used")
-            continue
-        return params, meta, step
+    found = _newest_intact(selected_dir, steps, target, lambda e: warn(
+        f"warning: {e}; skipped, the agent selected before it is used"))
+    if found is not None:
+        return found
     raise FoxhuntError(f"no intact selected agent in {selected_dir} (steps "
                        f"{', '.join(map(str, steps))} are damaged); --agent last uses the last "
                        "checkpoint")
