@@ -135,6 +135,12 @@ class ProgramInputs:
     schedule: jax.Array  # [6] float32 schedule_values, replicated on the mesh
 
 
+def with_params_copy(state: TrainerState, metrics: dict) -> tuple[TrainerState, dict, Any]:
+    """Training's outputs and a copy of the network parameters it leaves, in new buffers that
+    the next epoch's donation of ``state`` does not take."""
+    return state, metrics, jax.tree.map(jnp.copy, state.agent.params)
+
+
 class Queued(NamedTuple):
     """A queued program's results and the clock of their completion (:func:`ready_clock`)."""
 
@@ -149,7 +155,7 @@ class Ahead:
 
     state: TrainerState  # the state after them
     experience: Queued  # their stats
-    training: Queued  # its metrics
+    training: Queued  # its metrics and the copy of the parameters it left
     since: float  # when this epoch's Validation was seen complete: the next epoch's start
 
 
@@ -174,8 +180,6 @@ class Pipeline:
         self.inputs = inputs
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
-        # no donation: XLA writes the copy into new buffers
-        self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
     @property
     def pairs_rollouts(self) -> bool:
@@ -193,9 +197,11 @@ class Pipeline:
         experience = jit(lambda p, s, e: phases.experience(learner, backend, cfg, p, s, e, mesh),
                          donate_argnums=1, in_shardings=(replicated, placed, replicated),
                          out_shardings=(placed, replicated))
-        training = jit(lambda p, s, e: phases.training(learner, cfg, p, s, e),
+        # Training also returns a copy of the parameters it leaves (EpochResults.validated_params):
+        # made here, it costs no launch of its own and leaves the paired rollouts alone
+        training = jit(lambda p, s, e: with_params_copy(*phases.training(learner, cfg, p, s, e)),
                        donate_argnums=1, in_shardings=(replicated, placed, replicated),
-                       out_shardings=(placed, replicated), training=True)
+                       out_shardings=(placed, replicated, replicated), training=True)
         validation = jit(lambda p, w, a: phases.validation(learner, backend, cfg, p, w, a))
         train_args = (inputs.train_env_params, state, inputs.schedule)
         validation_args = (inputs.validation_env_params, inputs.window_starts)
@@ -203,14 +209,11 @@ class Pipeline:
                     "training": (training, train_args),
                     "validation": (validation, validation_args + (self._local_agent(state),))}
         if queued and self.pairs_rollouts:
-            # the validated parameters' copy (EpochResults.validated_params) is made inside the
-            # program, so no launch of its own sits between Training and Validation
             paired = jit(lambda v, w, p, s, e: phases.validation_experience(
-                             learner, backend, cfg, v, w, p, s, e)
-                         + (jax.tree.map(jnp.copy, s.agent.params),),
+                             learner, backend, cfg, v, w, p, s, e),
                          donate_argnums=3,
                          in_shardings=(replicated, replicated, replicated, placed, replicated),
-                         out_shardings=(replicated, replicated, placed, replicated, replicated))
+                         out_shardings=(replicated, replicated, placed, replicated))
             programs[PAIRED_PROGRAM] = (paired, validation_args + train_args)
         return programs
 
@@ -269,13 +272,12 @@ class Pipeline:
         inputs, next_epoch = self.inputs, None
         if queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
-            paths, loss, state, next_stats, validated_params = self.programs[PAIRED_PROGRAM](
+            paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
                 inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
                 state, inputs.schedule)
             validation = Queued((paths, loss), ready_clock((paths, loss)))
             next_epoch = self._queue_training(state, next_stats)
         else:
-            validated_params = self._copy(state.agent.params)  # before anything donates them
             paths, loss = self.programs["validation"](
                 inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
             validation = Queued((paths, loss), ready_clock((paths, loss)))
@@ -291,8 +293,8 @@ class Pipeline:
         phase_ms = {"experience": (experience_end - start) * 1e3,
                     "training": (training_end - experience_end) * 1e3,
                     "validation": (validation_end - training_end) * 1e3}
-        results = EpochResults(experience.results, training.results, paths, loss,
-                               validated_params)
+        metrics, validated_params = training.results
+        results = EpochResults(experience.results, metrics, paths, loss, validated_params)
         return state, results, phase_ms
 
     def _queue_experience_and_training(self, state: TrainerState
@@ -307,9 +309,9 @@ class Pipeline:
         overlaps Experience's device work (Training donates the state, not the stats waited
         on)."""
         experience = Queued(experience_stats, ready_clock(experience_stats))
-        state, metrics = self.programs["training"](self.inputs.train_env_params, state,
-                                                   self.inputs.schedule)
-        return state, experience, Queued(metrics, ready_clock(metrics))
+        state, metrics, params = self.programs["training"](self.inputs.train_env_params, state,
+                                                           self.inputs.schedule)
+        return state, experience, Queued((metrics, params), ready_clock(metrics))
 
     def _local_agent(self, state: TrainerState) -> AgentState:
         """This process's first device's copy of the replicated agent (no transfer)."""
