@@ -23,7 +23,10 @@ Input contract: ``members`` is a non-empty list of dicts, one per population mem
   ``curves``; the same for every member (one test period);
 
 and ``bars_per_year`` (> 0) annualizes per-bar figures. A list that breaks the contract raises
-``ValueError`` with one line naming the member (its id and its position in the list) and key.
+``ValueError`` with one line naming the member (its id and its position in the list) and key;
+an output folder the report may not write raises :class:`~foxhunt_jax.errors.ConfigError`.
+The ``validation`` and ``test`` metrics fill the tables and the scatter plot; the DSR and the
+equity band use ``test_returns`` (the two agree when both describe the same test portfolio).
 
 What is computed:
 
@@ -210,7 +213,7 @@ def _population(members: Sequence[Mapping]) -> _Population:
                              "member is tested on the same period")
         ids.append(int(m["member"]))
         seeds.append(int(m["seed"]))
-        hparams.append(dict(h))
+        hparams.append({k: h[k] for k in (hparams[0] if hparams else h)})  # one key order
         epochs.append(int(m["selected_epoch"]))
         val.append(dict(m["validation"]))
         test.append(dict(m["test"]))
@@ -464,9 +467,10 @@ def chosen_lines(chosen: Mapping[str, Any], n_members: int) -> list[str]:
         lines.append(f"deflated Sharpe ratio: none ({chosen['deflated_sharpe_reason']})")
     else:
         lines.append(f"deflated Sharpe ratio (test, N = {d['n_trials']} members): "
-                     f"{d['probability']:.3f}; test Sharpe {_signed(d['sharpe_annualized'])} "
-                     f"against {_signed(d['expected_max_sharpe_annualized'])}, the expected "
-                     f"best of {d['n_trials']} skill-less members (annualized)")
+                     f"{d['probability']:.3f}; the Sharpe of its test returns "
+                     f"{_signed(d['sharpe_annualized'])} against "
+                     f"{_signed(d['expected_max_sharpe_annualized'])}, the expected best of "
+                     f"{d['n_trials']} skill-less members (annualized)")
     p = chosen["pbo"]
     if p is None:
         lines.append(f"probability of backtest overfitting: none ({chosen['pbo_reason']})")
@@ -688,7 +692,11 @@ def population_report(members: Sequence[Mapping], out_dir: str | os.PathLike,
                                 "settings": settings})
     out = Path(out_dir)
     _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"population report folder {out}: cannot create it "
+                          f"({(e.strerror or str(e)).lower()})") from None
     written = [plot_test_vs_validation(out / SCATTER_PNG, members),
                plot_equity_band(out / BAND_PNG, members),
                _write_atomic(out / REPORT_MD, lambda f: f.write(markdown.encode())),

@@ -140,6 +140,16 @@ def test_a_population_of_seeds_only_is_one_setting():
     assert [(s["setting"], s["n"]) for s in summary["settings"]] == [(pop.SEEDS_ONLY, 4)]
 
 
+def test_settings_are_the_same_whatever_the_order_of_their_keys():
+    rng = np.random.default_rng(19)
+    members = [_member(rng, 0, hparams={"train.gamma": 0.9, "train.n_step": 3}),
+               _member(rng, 1, hparams={"train.n_step": 3, "train.gamma": 0.9})]
+    summary = pop.setting_summary(members)
+    assert [(s["setting"], s["n"]) for s in summary["settings"]] == [
+        ("train.gamma=0.9, train.n_step=3", 2)]
+    assert _legend(pop.sharpe_scatter_figure(members))[0] == "train.gamma=0.9, train.n_step=3 (2)"
+
+
 # --- probability of backtest overfitting ---------------------------------------------------------
 
 
