@@ -5,6 +5,7 @@ written here, the files and figures, and bad input."""
 import itertools
 import json
 import math
+from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
@@ -420,3 +421,15 @@ def test_empty_or_malformed_populations_and_bad_numbers_raise():
     members[0]["hparams"] = members[2]["hparams"] = {"train.gamma": 0.9}
     with pytest.raises(ValueError, match=r"member 1 .*hparams\['train.gamma'\] is not finite"):
         pop.member_table(members)
+
+
+def test_the_example_of_docs_research_population_report_runs(tmp_path, monkeypatch):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "research.md").read_text()
+    section = text.split("## Population report\n", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {"members": _population(np.random.default_rng(20), 4)}
+    exec(compile(block, "docs/research.md", "exec"), scope)
+    assert scope["report"]["chosen"]["member"] in range(4)
+    assert sorted(p.name for p in (tmp_path / "runs/pop/population").iterdir()) == sorted(
+        pop.REPORT_FILES)
