@@ -637,7 +637,7 @@ def _check_out_dir(out: Path) -> None:
                               "or choose another folder")
 
 
-def report_markdown(report: Mapping[str, Any]) -> str:
+def _report_markdown(report: Mapping[str, Any]) -> str:
     """The report's markdown: the member table, the setting table, the chosen member's lines and
     the figures."""
     n = len(report["members"])
@@ -662,9 +662,10 @@ def population_report(members: Sequence[Mapping], out_dir: str | os.PathLike,
 
     Files (:data:`REPORT_FILES`): ``population_report.json`` (``kind``, ``files``, the test
     period, ``members``: one row per member, ``settings``: :func:`setting_summary` without its
-    table, ``chosen``: :func:`chosen_member`), ``population_report.md`` (:func:`report_markdown`)
-    and the two figures (:func:`plot_test_vs_validation`, :func:`plot_equity_band`). Each file is
-    written whole (a temporary file renamed), the JSON last.
+    table, ``chosen``: :func:`chosen_member`), ``population_report.md`` (the two tables and
+    the chosen member's lines) and the two figures (:func:`plot_test_vs_validation`,
+    :func:`plot_equity_band`). Each file is written whole (a temporary file renamed), the JSON
+    last.
 
     Bad members raise ValueError and bad ``bars_per_year`` or ``level`` ValueError before
     anything is written. ``out_dir`` is created if absent; a report file already there is
@@ -688,7 +689,7 @@ def population_report(members: Sequence[Mapping], out_dir: str | os.PathLike,
         "chosen": chosen,
     }
     text = json.dumps(to_jsonable(report), indent=2, allow_nan=False) + "\n"
-    markdown = report_markdown({**report, "member_table": member_table(members),
+    markdown = _report_markdown({**report, "member_table": member_table(members),
                                 "settings": settings})
     out = Path(out_dir)
     _check_out_dir(out)
@@ -707,5 +708,5 @@ def population_report(members: Sequence[Mapping], out_dir: str | os.PathLike,
 __all__ = ["population_report", "member_table", "setting_summary", "chosen_member",
            "chosen_lines", "cscv_splits", "setting_label", "chosen_label", "band_label",
            "equity_curves", "sharpe_scatter_figure", "equity_band_figure",
-           "plot_test_vs_validation", "plot_equity_band", "report_markdown", "REPORT_FILES",
+           "plot_test_vs_validation", "plot_equity_band", "REPORT_FILES",
            "REPORT_JSON", "REPORT_MD", "SCATTER_PNG", "BAND_PNG", "SEEDS_ONLY"]
