@@ -125,12 +125,13 @@ class Trainer:
         start = time.perf_counter()
         key = jax.random.PRNGKey(self.cfg.train.seed if seed is None else seed)
         train_env_params, learner, cfg = self.env_params["train"], self.learner, self.cfg
+        adapter = self.pipeline.adapter
         local = parallel.local_device(self.mesh)
         args = (parallel.local_view(train_env_params, local), jax.device_put(key, local))
-        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k)), args,
+        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k, adapter)), args,
                                        name="init_agent", config=cfg)
         agent = parallel.put_replicated(make_agent(*args), self.mesh)
-        build = lambda p, k, a: initial_state(learner, cfg, p, k, a)
+        build = lambda p, k, a: initial_state(learner, cfg, p, k, a, adapter)
         args = (train_env_params, parallel.put_replicated(key, self.mesh), agent)
         # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
         make_state, _ = compile_cached(
