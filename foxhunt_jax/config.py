@@ -171,9 +171,8 @@ class TrainConfig:
     validation_windows: int = setting(64, "fixed validation windows walked greedily each epoch "
                                           "(a gymnax env: greedy episodes from fixed resets)")
     # foxhunt_jax.training.selection
-    select_by: str = setting("sharpe", "validation metric that selects the agent runs report "
-                                       "and use: sharpe, total_return or loss (trading); "
-                                       "return (a gymnax env)")
+    select_by: str = setting("sharpe", "validation metric that selects the agent: sharpe, "
+                                       "total_return or loss (trading); return (a gymnax env)")
     patience: int = setting(0, "stop after this many epochs without a better select_by; 0 = off")
     checkpoint_every: int = setting(1, "epochs between checkpoints (the last one always)")
     log_every: int = setting(1, "epochs between printed epoch lines (the last one always)")
