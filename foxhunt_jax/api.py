@@ -548,5 +548,5 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     return metrics
 
 
-__all__ = ["train", "evaluate", "load_run", "build_trainer", "run_agent", "agent_text", "evaluation_path",
-           "TrainResult", "phase_line", "all_finite", "AGENTS"]
+__all__ = ["train", "evaluate", "load_run", "build_trainer", "run_agent", "agent_text",
+           "evaluation_path", "TrainResult", "phase_line", "all_finite", "AGENTS"]

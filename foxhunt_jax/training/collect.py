@@ -20,8 +20,10 @@ curiosity pass over the first one's steps runs beside the second), fed with the 
 random draws, so both give the same trajectory.
 
 The collector is generic over the environment through :class:`EnvAdapter` (the trading env's,
-``phases.TRADING_ADAPTER``, and any gymnax env's, :func:`gymnax_adapter`). Replay items are ``{"obs": enc, "next_obs": enc, "action",
-"reward", "discount"}`` where ``enc`` is the adapter's compact encoding of an observation.
+``phases.TRADING_ADAPTER``, and any gymnax env's, :func:`gymnax_adapter`). Replay items are
+``{"obs": enc, "next_obs": enc, "action", "reward", "discount"}`` where ``enc`` is the
+adapter's encoding of an observation (the trading env's is compact; a gymnax env's is the
+observation itself).
 :func:`collect_shards` runs the collector on ``S`` shards of episodes at once
 (:mod:`foxhunt_jax.parallel`).
 """

@@ -491,6 +491,6 @@ def write_episode_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
     return written
 
 
-__all__ = ["write_report", "write_episode_report", "returns_figure", "metrics_table", "evaluation_table", "legend_label", "band_label",
-           "plot_equity", "plot_training", "plot_phases",
-           "equity_figure", "training_figure", "phases_figure"]
+__all__ = ["write_report", "write_episode_report", "returns_figure", "metrics_table",
+           "evaluation_table", "legend_label", "band_label", "plot_equity", "plot_training",
+           "plot_phases", "equity_figure", "training_figure", "phases_figure"]

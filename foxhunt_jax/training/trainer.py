@@ -128,8 +128,8 @@ class Trainer:
         adapter = self.pipeline.adapter
         local = parallel.local_device(self.mesh)
         args = (parallel.local_view(train_env_params, local), jax.device_put(key, local))
-        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k, adapter)), args,
-                                       name="init_agent", config=cfg)
+        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k, adapter)),
+                                       args, name="init_agent", config=cfg)
         agent = parallel.put_replicated(make_agent(*args), self.mesh)
         build = lambda p, k, a: initial_state(learner, cfg, p, k, a, adapter)
         args = (train_env_params, parallel.put_replicated(key, self.mesh), agent)
