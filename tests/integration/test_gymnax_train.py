@@ -52,7 +52,8 @@ def test_train_writes_the_episode_report_and_no_trading_report(cartpole_run, cap
     assert final["episodes"] == 100 and 1 <= final["min_return"] <= final["mean_return"] <= 500
 
 
-def test_train_ends_naming_what_it_wrote(tmp_path, capsys):
+def test_train_ends_naming_what_it_wrote_and_resumes_exactly(cartpole_run, tmp_path, capsys):
+    """One epoch, then a resume to two: the same records as the two-epoch run."""
     out = tmp_path / "run"
     args = ["train", "--config", "cartpole", "--out", str(out), "--no-progress", "--log", "jsonl"]
     for setting in TINY[1:] + ["train.epochs=1"]:
@@ -64,6 +65,11 @@ def test_train_ends_naming_what_it_wrote(tmp_path, capsys):
     assert any(line.startswith("final: mean return ") and "over 100 greedy episodes" in line
                for line in lines)
     assert not any("sharpe" in line or "B&H" in line for line in lines)
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.epochs=2",
+                 "--no-progress", "--log", "jsonl"]) == 0
+    fields = ("epoch", "loss", "grad_norm", "epsilon", "beta", "reward", "val")
+    resumed = [{k: r[k] for k in fields} for r in read_metrics(out)]
+    assert resumed == [{k: r[k] for k in fields} for r in read_metrics(cartpole_run[0])]
 
 
 @pytest.mark.parametrize("settings, needle", [
