@@ -4,7 +4,9 @@ One epoch is :func:`experience` -> :func:`training` -> :func:`validation`;
 :func:`validation_experience` is one epoch's Validation and the next epoch's Experience in one
 function, with the same results as the two called one after the other. Each function is jitted
 as one program by :mod:`foxhunt_jax.training.pipeline`, which queues, pairs and times them;
-nothing here waits, times or touches the host.
+nothing here waits, times or touches the host. The phases take the env's
+:class:`~foxhunt_jax.training.collect.EnvAdapter` (default: the trading env's,
+:data:`TRADING_ADAPTER`); a gymnax env's Validation is :func:`episode_validation`.
 
 Shapes: ``S`` shards (``train.shards``), ``N`` episodes in flight (``train.num_episodes``), ``L``
 steps an epoch (``env.episode_length``), ``C`` replay capacity, ``B`` action branches, ``W``
