@@ -30,6 +30,8 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
+from foxhunt_jax.env.gymnax_task import TRADING
+from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import validate
 from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
@@ -74,6 +76,9 @@ class Trainer:
         divide ``train.shards``, else ConfigError. The trainer's ``cfg`` is ``cfg`` with
         ``network.support: auto`` resolved (:func:`~foxhunt_jax.agent.value_range.
         resolve_trading`)."""
+        if cfg.env.name != TRADING:
+            raise ConfigError(f"Trainer.build runs the trading env; env.name {cfg.env.name} is "
+                              "built by foxhunt_jax.api.build_trainer")
         start = time.perf_counter()
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
