@@ -197,7 +197,9 @@ class EvalConfig:
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = setting(factory=DataConfig, meaning="market data and its splits")
-    env: EnvConfig = setting(factory=EnvConfig, meaning="the trading environment")
+    env: EnvConfig = setting(factory=EnvConfig,
+                             meaning="the environment: the trading env and its settings, or a "
+                                     "gymnax env")
     network: NetworkConfig = setting(factory=NetworkConfig,
                                      meaning="the distributional branching dueling Q-network")
     replay: ReplayConfig = setting(factory=ReplayConfig, meaning="prioritized replay")
