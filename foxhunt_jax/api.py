@@ -30,6 +30,7 @@ from foxhunt_jax.agent.value_range import edge_mass_warning
 from foxhunt_jax.backend import resolve_config
 from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_yaml, replace,
                                 to_dict)
+from foxhunt_jax.env.gymnax_task import TRADING, make_task
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
@@ -39,6 +40,7 @@ from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folde
                                          checkpoint_steps, open_run, read_metrics, to_jsonable)
 from foxhunt_jax.training.selection import Selection
 from foxhunt_jax.training.trades import walk_trades, write_trades_csv
+from foxhunt_jax.training.gymnax_trainer import GymnaxTrainer
 from foxhunt_jax.training.trainer import Trainer
 
 
@@ -56,16 +58,22 @@ EpochCallback = Callable[[dict], None]
 
 
 def phase_line(rec: dict, epochs: int) -> str:
-    """One epoch: phase times, loss, epsilon, validation against buy-and-hold. Init and Compile
-    are shown only on the epoch that paid them (they are 0 on the others)."""
+    """One epoch: phase times, loss, epsilon, validation against buy-and-hold (a gymnax env:
+    the validation episodes' mean return). Init and Compile are shown only on the epoch that
+    paid them (they are 0 on the others)."""
     ms = rec["phase_ms"]
-    val, bh = rec["val"], rec["val_buy_and_hold"]
+    val = rec["val"]
     head = " | ".join(f"{k.capitalize()} {ms[k]:8.1f}" for k in
                       ("init", "compile", "experience", "training", "validation", "total")
                       if k not in ("init", "compile") or ms[k] > 0)
+    if "val_buy_and_hold" not in rec:  # a gymnax env (GymnaxTrainer's record)
+        tail = f"val return {val['return']:.2f} (min {val['return_min']:.2f})"
+    else:
+        bh = rec["val_buy_and_hold"]
+        tail = (f"val sharpe {val['sharpe']:+.2f} (B&H {bh['sharpe']:+.2f}) "
+                f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
     return (f"epoch {rec['epoch']:>3}/{epochs} | {head} ms | loss {rec['loss']:.4f} | "
-            f"eps {rec['epsilon']:.2f} | val sharpe {val['sharpe']:+.2f} (B&H {bh['sharpe']:+.2f}) "
-            f"return {val['total_return']:+.2%} (B&H {bh['total_return']:+.2%})")
+            f"eps {rec['epsilon']:.2f} | {tail}")
 
 
 def compile_line(trainer: Trainer) -> str:
@@ -158,6 +166,8 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     if resume and out is None:
         raise ConfigError("--resume needs the run folder (--out)")
     cfg = resolve_config(cfg, devices[0] if devices else None)  # config.yaml records it
+    if cfg.env.name != TRADING:
+        make_task(cfg.env.name)  # an unknown id or a missing gymnax fails before any writing
     if out is not None:
         # process 0, the writer, checks, marks and locks the folder before any data or compile
         # work (the others would race with its first writes)
@@ -200,7 +210,7 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
            callbacks: tuple[EpochCallback, ...], final_report: bool,
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
-    trainer = Trainer.build(cfg, devices=devices)
+    trainer = build_trainer(cfg, devices)
     cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
     if writer is not None and not resume:
         writer.write_config(dump_yaml(cfg))
@@ -220,7 +230,7 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
             log("the checkpoint holds no selection (a run from before it): agents are "
                 "selected from the resumed epochs on")
         log(f"resumed from epoch {int(state.epoch)}")
-    elif writer is not None and jax.process_index() == 0:
+    elif writer is not None and jax.process_index() == 0 and trainer.tables is not None:
         # what a policy of this run normalizes its inputs with
         write_statistics(out, trainer.tables, trainer.market)
     if out is not None:  # agents selected after the state (a killed run's) are selected again
@@ -294,11 +304,13 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     summary, written = {}, []
     agent = _selected_agent(trainer, state, out, selection, selected_params)
     if final_report:
-        summary, written = _final_report(trainer, agent, state, selection, history, out, log)
+        report_of = _episode_report if isinstance(trainer, GymnaxTrainer) else _final_report
+        summary, written = report_of(trainer, agent, state, selection, history, out, log)
         if writer is not None:
             writer.log_report(summary, int(state.epoch))
     if out is not None and jax.process_index() == 0:
-        log(wrote_line(out, written, tensorboard=writer is not None and writer.tensorboard))
+        log(wrote_line(out, written, tensorboard=writer is not None and writer.tensorboard,
+                       normalization=trainer.tables is not None))
     return TrainResult(state=state, trainer=trainer, history=history, summary=summary,
                        selection=selection, selected_agent=agent)
 
@@ -320,12 +332,14 @@ def _selected_agent(trainer: Trainer, state: TrainerState, out: Path | None,
     return run_agent(out, state, "selected")[0]
 
 
-def wrote_line(out: Path, report_files: Sequence[Path], tensorboard: bool) -> str:
-    """The last line of a run: every file and folder it wrote in ``out``. Reads the folder
-    only (process 0 calls it alone: opening an orbax manager would wait for the others)."""
+def wrote_line(out: Path, report_files: Sequence[Path], tensorboard: bool,
+               normalization: bool = True) -> str:
+    """The last line of a run: every file and folder it wrote in ``out`` (``normalization``:
+    normalization.json, a trading run's). Reads the folder only (process 0 calls it alone:
+    opening an orbax manager would wait for the others)."""
     steps = checkpoint_steps(out)
-    parts = ["config.yaml", "normalization.json", "metrics.jsonl",
-             f"checkpoints/ (latest epoch {steps[-1] if steps else None})"]
+    parts = ["config.yaml"] + (["normalization.json"] if normalization else [])
+    parts += ["metrics.jsonl", f"checkpoints/ (latest epoch {steps[-1] if steps else None})"]
     parts += ["tb/ (TensorBoard events)"] if tensorboard else []
     parts += [str(Path(p).relative_to(out)) for p in report_files]
     return f"wrote {out}: " + ", ".join(parts)
@@ -370,6 +384,37 @@ def _final_report(trainer: Trainer, agent: AgentState, state: TrainerState,
     return summary, []
 
 
+def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
+    """The trainer of ``cfg.env.name``: :class:`Trainer` for ``trading``, else a
+    :class:`~foxhunt_jax.training.gymnax_trainer.GymnaxTrainer`."""
+    if cfg.env.name == TRADING:
+        return Trainer.build(cfg, devices=devices)
+    return GymnaxTrainer.build(cfg, devices=devices)
+
+
+def _episode_report(trainer: GymnaxTrainer, agent: AgentState, state: TrainerState,
+                    selection: Selection, history: list[dict], out: Path | None,
+                    log) -> tuple[dict, list[Path]]:
+    """A gymnax run's final report: the mean return of ``FINAL_EPISODES`` greedy episodes of
+    ``agent`` (the selected one) from resets Validation never used, and the report files
+    (process 0): summary.json, returns.png, phases.png."""
+    log(f"selected agent: epoch {selection.epoch} of {int(state.epoch)} (validation "
+        f"{selection.metric} {selection.value:.2f}, train.select_by)")
+    log(f"final greedy episodes of {trainer.cfg.env.name} ...")
+    final = trainer.evaluate_episodes(agent)
+    log(f"final: mean return {final['mean_return']:.2f} over {final['episodes']} greedy "
+        f"episodes (std {final['std_return']:.2f}, min {final['min_return']:.2f}, max "
+        f"{final['max_return']:.2f}, mean length {final['mean_length']:.1f})")
+    summary = {"env": trainer.cfg.env.name, "epochs": int(state.epoch),
+               "env_steps": history[-1]["env_steps"] if history else 0,
+               "agent": "selected", "selected_epoch": selection.epoch,
+               "select_metric": selection.metric, f"best_{selection.metric}": selection.value,
+               "stopped_early": selection.stops(trainer.cfg.train.patience), "final": final}
+    if out is not None and jax.process_index() == 0:
+        return summary, report.write_episode_report(out, summary, history)
+    return summary, []
+
+
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
     """Rebuilds the trainer of a run directory and restores its newest intact checkpoint (a
     damaged one is skipped with a warning line; none intact: FoxhuntError). The state's agent
@@ -378,6 +423,10 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (no config.yaml)")
     cfg = from_dict(read_yaml(run / "config.yaml"))
+    if cfg.env.name != TRADING:
+        raise ConfigError(f"{run} trained env.name {cfg.env.name}: evaluate, act and export "
+                          "serve trading runs (its report/summary.json holds the final greedy "
+                          "episodes' return)")
     if data:
         cfg = replace(cfg, data={"source": list(data)})
     if checkpoint.latest_step(run / "checkpoints") is None:
@@ -499,5 +548,5 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     return metrics
 
 
-__all__ = ["train", "evaluate", "load_run", "run_agent", "agent_text", "evaluation_path",
-           "TrainResult", "phase_line", "all_finite", "AGENTS"]
+__all__ = ["train", "evaluate", "load_run", "build_trainer", "run_agent", "agent_text",
+           "evaluation_path", "TrainResult", "phase_line", "all_finite", "AGENTS"]

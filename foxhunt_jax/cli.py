@@ -373,6 +373,7 @@ def cmd_act(args: argparse.Namespace) -> int:
                   "has every branch)")
     if args.json:
         write_json(args.json, records)
+        print(f"wrote {args.json} (the decisions as JSON)")
     return 0
 
 

@@ -78,7 +78,12 @@ FILLS = ("next_open", "close")  # env.fill values
 
 @dataclass(frozen=True)
 class EnvConfig:
-    episode_length: int = setting(100, "L: steps of an episode before it is truncated")
+    # every other key of this section configures the trading env only, except episode_length
+    # (docs/agent.md: "Any gymnax environment")
+    name: str = setting("trading", "the environment: trading, or a gymnax id such as "
+                                   "CartPole-v1 (needs the gymnax extra)")
+    episode_length: int = setting(100, "L: steps of an episode before it is truncated (a "
+                                       "gymnax env: steps collected per episode an epoch)")
     exposures: tuple[float, ...] = setting(
         (-1.0, -0.5, 0.0, 0.5, 1.0), "branch 0: target exposures, signed fractions of equity")
     take_profit: tuple[float, ...] = setting(
@@ -163,10 +168,11 @@ class TrainConfig:
     epsilon_start: float = setting(1.0, "exploration rate at the first epoch")
     epsilon_end: float = setting(0.05, "exploration rate after the decay")
     epsilon_decay_epochs: int = setting(20, "epochs of linear epsilon decay")
-    validation_windows: int = setting(64, "fixed validation windows walked greedily each epoch")
+    validation_windows: int = setting(64, "fixed validation windows walked greedily each epoch "
+                                          "(a gymnax env: greedy episodes from fixed resets)")
     # foxhunt_jax.training.selection
-    select_by: str = setting("sharpe", "validation metric that selects the agent runs report "
-                                       "and use: sharpe, total_return or loss")
+    select_by: str = setting("sharpe", "validation metric that selects the agent: sharpe, "
+                                       "total_return or loss (trading); return (a gymnax env)")
     patience: int = setting(0, "stop after this many epochs without a better select_by; 0 = off")
     checkpoint_every: int = setting(1, "epochs between checkpoints (the last one always)")
     log_every: int = setting(1, "epochs between printed epoch lines (the last one always)")
@@ -191,7 +197,9 @@ class EvalConfig:
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = setting(factory=DataConfig, meaning="market data and its splits")
-    env: EnvConfig = setting(factory=EnvConfig, meaning="the trading environment")
+    env: EnvConfig = setting(factory=EnvConfig,
+                             meaning="the environment: the trading env and its settings, or a "
+                                     "gymnax env")
     network: NetworkConfig = setting(factory=NetworkConfig,
                                      meaning="the distributional branching dueling Q-network")
     replay: ReplayConfig = setting(factory=ReplayConfig, meaning="prioritized replay")
@@ -396,6 +404,7 @@ def validate(cfg: Config) -> Config:
     _check(s.volatility > 0, "data.synthetic.volatility", "must be > 0", s.volatility)
     features = resolve_features(d.features, "config key 'data.features'")
 
+    _check(bool(e.name.strip()), "env.name", "must be trading or a gymnax id", e.name)
     _check(e.episode_length >= 1, "env.episode_length", "must be >= 1", e.episode_length)
     _check(len(e.exposures) >= 2, "env.exposures", "needs at least two values", e.exposures)
     _check(all(-1 <= x <= 1 for x in e.exposures), "env.exposures", "values must be in [-1, 1]",
@@ -464,8 +473,15 @@ def validate(cfg: Config) -> Config:
            t.epsilon_decay_epochs)
     _check(t.validation_windows >= 1, "train.validation_windows", "must be >= 1",
            t.validation_windows)
-    _check(t.select_by in ("sharpe", "total_return", "loss"), "train.select_by",
-           "must be sharpe, total_return or loss", t.select_by)
+    if e.name == "trading":
+        _check(t.select_by in ("sharpe", "total_return", "loss"), "train.select_by",
+               "must be sharpe, total_return or loss", t.select_by)
+    else:  # a gymnax env: validation scores greedy episodes' returns (docs/agent.md)
+        _check(t.select_by == "return", "train.select_by",
+               f"must be return for a gymnax env (env.name {e.name})", t.select_by)
+        _check(n.backend != "pallas", "network.backend",
+               f"pallas runs the trading env's kernels only; use xla or auto for {e.name}",
+               n.backend)
     _check(t.patience >= 0, "train.patience", "must be >= 0 (0: no early stopping)", t.patience)
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)

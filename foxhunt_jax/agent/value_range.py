@@ -2,25 +2,30 @@
 auto``), and the warning when the learner's targets fall off it.
 
 ``network.support: explicit`` keeps ``[network.v_min, network.v_max]`` as given. ``auto``
-replaces them where the env and its data are known: :func:`resolve_trading` (the trainer, from
-the training split only) and :func:`discounted_range` (gymnax tasks, ``scripts/cartpole.py``).
-docs/agent.md states both derivations.
+replaces them where the env and its data are known: :func:`resolve_trading` (the trading env,
+from the training split only) and :func:`resolve_gymnax` (a gymnax env, from the rewards a
+random policy meets). docs/agent.md states both derivations.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.config import Config, EnvConfig, replace
 from foxhunt_jax.data.features import MarketTables
+from foxhunt_jax.env.gymnax_task import GymnaxTask
 from foxhunt_jax.errors import ConfigError
 
 # share of target probability clipped onto the edge atoms above which a run warns (once)
 EDGE_MASS_WARNING = 0.05
 # the trading range is the holding returns' range widened by this fraction on each side
 TRADING_MARGIN = 0.25
+# the random-policy rollout a gymnax env's range is observed on: envs x steps
+RANDOM_ROLLOUT_ENVS, RANDOM_ROLLOUT_STEPS = 16, 1000
 
 
 def horizon_weight(gamma: float, horizon: int | None = None) -> float:
@@ -121,6 +126,50 @@ def resolve_trading(cfg: Config, tables: MarketTables) -> Config:
     return with_range(cfg, *trading_range(tables, cfg.env, cfg.train.gamma))
 
 
+def observed_rewards(task: GymnaxTask, key: jax.Array, envs: int = RANDOM_ROLLOUT_ENVS,
+                     steps: int = RANDOM_ROLLOUT_STEPS) -> jax.Array:
+    """``[steps, envs]`` per-step rewards of a uniformly random policy on ``task``, episodes
+    restarting when they end."""
+    reset_v = jax.vmap(task.reset, in_axes=(0, None))
+    step_v = jax.vmap(task.step_env, in_axes=(0, 0, 0, None))
+    k_reset, k_run = jax.random.split(key)
+    _, state = reset_v(jax.random.split(k_reset, envs), task.params)
+
+    def body(state, k):
+        k_act, k_step, k_new = jax.random.split(k, 3)
+        action = jax.random.randint(k_act, (envs, 1), 0, task.num_actions, jnp.int32)
+        _, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, envs), state, action,
+                                                   task.params)
+        _, fresh = reset_v(jax.random.split(k_new, envs), task.params)
+        done = term | trunc
+        state2 = jax.tree.map(lambda a, b: jnp.where(done.reshape((-1,) + (1,) * (a.ndim - 1)),
+                                                     a, b), fresh, state2)
+        return state2, reward
+
+    return jax.lax.scan(body, state, jax.random.split(k_run, steps))[1]
+
+
+def gymnax_range(task: GymnaxTask, gamma: float, key: jax.Array) -> tuple[float, float]:
+    """``(v_min, v_max)`` for a gymnax env: :func:`discounted_range` of the smallest and largest
+    reward of :func:`observed_rewards` over an unbounded horizon (truncation bootstraps). A
+    reward the random policy never meets (a goal it never reaches) is not in the range."""
+    rewards = np.asarray(jax.device_get(jax.jit(lambda k: observed_rewards(task, k))(key)))
+    if not gamma < 1:
+        raise ConfigError("network.support=auto for a gymnax env needs train.gamma < 1 (the "
+                          "values are unbounded sums); set network.support=explicit")
+    return discounted_range(float(rewards.min()), float(rewards.max()), gamma)
+
+
+def resolve_gymnax(cfg: Config, task: GymnaxTask) -> Config:
+    """``cfg`` unchanged under ``network.support: explicit``; under ``auto``, with the
+    :func:`gymnax_range` of ``task`` observed from ``fold_in(PRNGKey(train.seed), 1)``
+    (:func:`with_range`)."""
+    if cfg.network.support == "explicit":
+        return cfg
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), 1)
+    return with_range(cfg, *gymnax_range(task, cfg.train.gamma, key))
+
+
 def edge_mass_warning(epoch: int, edge_mass: float, v_min: float, v_max: float) -> str | None:
     """The one warning line a run prints when an epoch's ``support_edge_mass`` exceeds
     :data:`EDGE_MASS_WARNING`, else None."""
@@ -135,4 +184,4 @@ def edge_mass_warning(epoch: int, edge_mass: float, v_min: float, v_max: float) 
 
 __all__ = ["EDGE_MASS_WARNING", "TRADING_MARGIN", "horizon_weight", "discounted_range",
            "holding_returns", "trading_range", "with_range", "resolve_trading",
-           "edge_mass_warning"]
+           "observed_rewards", "gymnax_range", "resolve_gymnax", "edge_mass_warning"]

@@ -96,17 +96,22 @@ def resolve_config(cfg: Config, device=None) -> Config:
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, dtype=dtype))
 
 
-def resolve(network_cfg: NetworkConfig, device=None) -> Backend:
+def resolve(network_cfg: NetworkConfig, device=None, env_name: str = "trading") -> Backend:
     """The backend of a validated ``network`` config on ``device`` (default: JAX's first
-    device). ``network.backend="auto"`` picks ``pallas`` where the kernels compile (a CUDA GPU)
-    and the network computes in bfloat16, the configuration where they are faster than XLA;
-    else ``xla`` (the float32 kernel is slower than XLA, and elsewhere the kernels only run
-    interpreted)."""
+    device) for the env ``env_name`` (``env.name``). ``network.backend="auto"`` picks
+    ``pallas`` for the trading env where the kernels compile (a CUDA GPU) and the network
+    computes in bfloat16, the configuration where they are faster than XLA; else ``xla`` (the
+    float32 kernel is slower than XLA, elsewhere the kernels only run interpreted, and the
+    rollout kernels are the trading env's). ConfigError for ``pallas`` with another env."""
     tuning = for_device(device)
     name = network_cfg.backend
+    trading = env_name == "trading"
+    if name == "pallas" and not trading:
+        raise ConfigError(f"config key 'network.backend' pallas runs the trading env's kernels "
+                          f"only; use xla or auto for {env_name}")
     if name == "auto":  # network.dtype auto is bfloat16 exactly where the kernels compile
-        name = ("pallas" if tuning.compiled and network_cfg.dtype in ("auto", "bfloat16")
-                else "xla")
+        name = ("pallas" if trading and tuning.compiled
+                and network_cfg.dtype in ("auto", "bfloat16") else "xla")
     return make(name, tuning)
 
 

@@ -292,4 +292,12 @@ def run_merge(args) -> dict:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    print(wrote_line(args.json), flush=True)
     return res
+
+
+def wrote_line(json_path: str | None) -> str:
+    """The bench's last line: the JSON file it wrote, or that it wrote none."""
+    if json_path:
+        return f"wrote {json_path} (the results as JSON)"
+    return "wrote no file (--json FILE writes the results as JSON)"

@@ -20,7 +20,7 @@ from foxhunt_jax.bench import (child, cmdbuf, collect, compilation, device, forw
                                replay, seed, train)
 from foxhunt_jax.bench.common import Deadline, git_commit, parse_kernel_configs, variant_cfg
 from foxhunt_jax.bench.options import DEFAULT_VARIANTS, SECTIONS, add_arguments, parse_variants
-from foxhunt_jax.bench.report import roofline, run_merge, tables
+from foxhunt_jax.bench.report import roofline, run_merge, tables, wrote_line
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.jitcache import compilation_cache_in, compiler_options
@@ -171,4 +171,5 @@ def run_sections(args, argv) -> dict:
         save()
     print(tables(res), flush=True)
     save()
+    print(wrote_line(args.json), flush=True)
     return res

@@ -19,9 +19,11 @@ the scan is replaced by that kernel (in the launches of :func:`rollout_spans`, s
 curiosity pass over the first one's steps runs beside the second), fed with the same per-step
 random draws, so both give the same trajectory.
 
-The collector is generic over the environment through :class:`EnvAdapter` (the trading env and
-gymnax CartPole both use it). Replay items are ``{"obs": enc, "next_obs": enc, "action",
-"reward", "discount"}`` where ``enc`` is the adapter's compact encoding of an observation.
+The collector is generic over the environment through :class:`EnvAdapter` (the trading env's,
+``phases.TRADING_ADAPTER``, and any gymnax env's, :func:`gymnax_adapter`). Replay items are
+``{"obs": enc, "next_obs": enc, "action", "reward", "discount"}`` where ``enc`` is the
+adapter's encoding of an observation (the trading env's is compact; a gymnax env's is the
+observation itself).
 :func:`collect_shards` runs the collector on ``S`` shards of episodes at once
 (:mod:`foxhunt_jax.parallel`).
 """
@@ -39,6 +41,7 @@ from foxhunt_jax.agent.learner import AgentState, Learner
 from foxhunt_jax.agent.loss import n_step_targets
 from foxhunt_jax.agent.network import explore_draws
 from foxhunt_jax.backend import Backend
+from foxhunt_jax.env.gymnax_task import GymnaxTask
 from foxhunt_jax.parallel import per_device, shard_keys
 from pallas_kernels.rollout import launch_spans
 
@@ -71,6 +74,25 @@ class EnvAdapter:
     def __hash__(self):
         return hash((self.reset, self.step_env, self.encode, self.decode, self.fused,
                      self.max_episode_steps))
+
+
+def _whole(obs: jax.Array, state) -> jax.Array:
+    """A gymnax env's replay encoding: the observation itself."""
+    del state
+    return obs
+
+
+def _unchanged(enc: jax.Array, params) -> jax.Array:
+    del params
+    return enc
+
+
+def gymnax_adapter(task: GymnaxTask) -> EnvAdapter:
+    """The adapter of a gymnax task (:mod:`foxhunt_jax.env.gymnax_task`): observations are
+    stored whole in replay (no compact encoding), episodes are truncated at the task's step
+    limit."""
+    return EnvAdapter(reset=task.reset, step_env=task.step_env, encode=_whole, decode=_unchanged,
+                      max_episode_steps=task.step_limit)
 
 
 @jax.tree_util.register_dataclass

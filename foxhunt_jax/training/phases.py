@@ -4,7 +4,9 @@ One epoch is :func:`experience` -> :func:`training` -> :func:`validation`;
 :func:`validation_experience` is one epoch's Validation and the next epoch's Experience in one
 function, with the same results as the two called one after the other. Each function is jitted
 as one program by :mod:`foxhunt_jax.training.pipeline`, which queues, pairs and times them;
-nothing here waits, times or touches the host.
+nothing here waits, times or touches the host. The phases take the env's
+:class:`~foxhunt_jax.training.collect.EnvAdapter` (default: the trading env's,
+:data:`TRADING_ADAPTER`); a gymnax env's Validation is :func:`episode_validation`.
 
 Shapes: ``S`` shards (``train.shards``), ``N`` episodes in flight (``train.num_episodes``), ``L``
 steps an epoch (``env.episode_length``), ``C`` replay capacity, ``B`` action branches, ``W``
@@ -54,26 +56,35 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def initial_agent(learner: Learner, train_env_params, key: jax.Array) -> AgentState:
+def observation_width(adapter: EnvAdapter, env_params) -> int:
+    """D, the width of the env's observation (from the shapes of ``adapter.reset``)."""
+    return jax.eval_shape(adapter.reset, jax.random.PRNGKey(0), env_params)[0].shape[-1]
+
+
+def initial_agent(learner: Learner, train_env_params, key: jax.Array,
+                  adapter: EnvAdapter = TRADING_ADAPTER) -> AgentState:
     """The agent of :func:`initial_state` by itself: online and target networks, optimizer and
     RND state, built from the first of ``split(key, 3)``."""
-    return init_agent(jax.random.split(key, 3)[0], learner, trading.obs_dim(train_env_params))
+    return init_agent(jax.random.split(key, 3)[0], learner,
+                      observation_width(adapter, train_env_params))
 
 
 def initial_state(learner: Learner, cfg: Config, train_env_params, key: jax.Array,
-                  agent: AgentState | None = None) -> TrainerState:
+                  agent: AgentState | None = None,
+                  adapter: EnvAdapter = TRADING_ADAPTER) -> TrainerState:
     """The state before epoch 1: ``S`` shards of ``N/S`` fresh episodes, an empty replay ring
     of ``C/S`` items a shard, epoch 0. ``agent`` (default: :func:`initial_agent` of ``key``)
     may be built beforehand."""
     _, env_key, run_key = jax.random.split(key, 3)
     if agent is None:
-        agent = initial_agent(learner, train_env_params, key)
-    rollout = start_shards(TRADING_ADAPTER, train_env_params, env_key, cfg.train.shards,
+        agent = initial_agent(learner, train_env_params, key, adapter)
+    rollout = start_shards(adapter, train_env_params, env_key, cfg.train.shards,
                            cfg.train.num_episodes)
-    encoded_obs = {"bar": jnp.zeros((), jnp.int32),
-                   "portfolio": jnp.zeros((trading.PORTFOLIO_DIM,), jnp.float32)}
+    # zeros of one replay encoding (adapter.encode of a reset's observation and state)
+    encoded_obs = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+        lambda k: adapter.encode(*adapter.reset(k, train_env_params)), jax.random.PRNGKey(0)))
     example_item = {"obs": encoded_obs, "next_obs": encoded_obs,
-                    "action": jnp.zeros((len(cfg.env.branch_sizes),), jnp.int32),
+                    "action": jnp.zeros((len(learner.network.branch_sizes),), jnp.int32),
                     "reward": jnp.zeros((), jnp.float32), "discount": jnp.zeros((), jnp.float32)}
     buffer = replay.init_shards(example_item, cfg.replay.capacity, cfg.train.shards)
     return TrainerState(agent=agent, buffer=buffer, rollout=rollout, key=run_key,
@@ -81,7 +92,8 @@ def initial_state(learner: Learner, cfg: Config, train_env_params, key: jax.Arra
 
 
 def experience(learner: Learner, backend: Backend, cfg: Config, train_env_params,
-               state: TrainerState, schedule: jax.Array, mesh=None) -> tuple[TrainerState, dict]:
+               state: TrainerState, schedule: jax.Array, mesh=None,
+               adapter: EnvAdapter = TRADING_ADAPTER) -> tuple[TrainerState, dict]:
     """L epsilon-greedy steps of the N episodes in flight, their transitions added to replay.
 
     ``schedule``: the ``[6]`` array of :func:`~foxhunt_jax.agent.learner.schedule_values`;
@@ -96,7 +108,7 @@ def experience(learner: Learner, backend: Backend, cfg: Config, train_env_params
     epsilon = epsilon_from(schedule, state.epoch)
     key, collect_key = jax.random.split(state.key)
     rollout, items, priorities, rnd, stats = collect_shards(
-        learner, backend, TRADING_ADAPTER, train_env_params, state.agent, state.rollout,
+        learner, backend, adapter, train_env_params, state.agent, state.rollout,
         collect_key, epsilon, cfg.env.episode_length, mesh)
     buffer = replay.add_shards(state.buffer, items, priorities, cfg.replay.alpha,
                                cfg.replay.priority_eps)
@@ -106,7 +118,8 @@ def experience(learner: Learner, backend: Backend, cfg: Config, train_env_params
 
 
 def training(learner: Learner, cfg: Config, train_env_params, state: TrainerState,
-             schedule: jax.Array) -> tuple[TrainerState, dict]:
+             schedule: jax.Array, adapter: EnvAdapter = TRADING_ADAPTER
+             ) -> tuple[TrainerState, dict]:
     """K prioritized learner steps (:func:`~foxhunt_jax.agent.learner.train_steps`), then the
     epoch counter moves on.
 
@@ -120,8 +133,8 @@ def training(learner: Learner, cfg: Config, train_env_params, state: TrainerStat
     key, sample_key = jax.random.split(state.key)
 
     def decode(items):
-        return (trading.decode(items["obs"], train_env_params),
-                trading.decode(items["next_obs"], train_env_params))
+        return (adapter.decode(items["obs"], train_env_params),
+                adapter.decode(items["next_obs"], train_env_params))
 
     agent, buffer, metrics = train_steps(learner, decode, state.agent, state.buffer, sample_key,
                                          beta, cfg.train.train_steps)
@@ -145,6 +158,45 @@ def validation(learner: Learner, backend: Backend, cfg: Config, validation_env_p
                                     validation_env_params, traj)
     paths = {k: traj[k] for k in ("equity", "exposure", "traded", "fills", "turnover")}
     return paths, loss
+
+
+def greedy_episodes(learner: Learner, backend: Backend, env_params, keys: jax.Array,
+                    agent_params, adapter: EnvAdapter) -> dict:
+    """``W`` greedy episodes of a gymnax env (:func:`~foxhunt_jax.training.collect.
+    gymnax_adapter`), reset from ``keys [W]``, each run until it terminates or is truncated
+    (at most ``adapter.max_episode_steps`` steps); ``backend.q_forward`` picks the actions.
+
+    Returns ``[W]`` arrays: ``return`` (undiscounted, float32) and ``length`` (steps, int32).
+    """
+    w = keys.shape[0]
+    obs, state = jax.vmap(adapter.reset, in_axes=(0, None))(keys, env_params)
+    step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
+
+    def body(carry, k):
+        obs, state, alive, total, length = carry
+        action = backend.q_forward(agent_params, obs, learner.network, learner.support)[1]
+        obs, state, reward, term, trunc, _ = step_v(jax.random.split(k, w), state, action,
+                                                   env_params)
+        total = total + jnp.where(alive, reward, 0.0)
+        length = length + alive.astype(jnp.int32)
+        return (obs, state, alive & ~(term | trunc), total, length), None
+
+    init = (obs, state, jnp.ones(w, bool), jnp.zeros(w, jnp.float32), jnp.zeros(w, jnp.int32))
+    steps = adapter.max_episode_steps(env_params)
+    (*_, total, length), _ = jax.lax.scan(body, init, jax.random.split(keys[0], steps))
+    return {"return": total, "length": length}
+
+
+def episode_validation(learner: Learner, backend: Backend, cfg: Config, env_params,
+                       keys: jax.Array, agent: AgentState, adapter: EnvAdapter
+                       ) -> tuple[dict, jax.Array]:
+    """A gymnax env's Validation, in :func:`validation`'s form: :func:`greedy_episodes` from
+    the fixed reset keys ``keys [W]``; changes no state. Returns ``(episodes, loss)`` with
+    ``loss`` NaN: no validation loss is computed for a gymnax env (``train.select_by`` is
+    ``return``)."""
+    del cfg
+    episodes = greedy_episodes(learner, backend, env_params, keys, agent.params, adapter)
+    return episodes, jnp.float32(jnp.nan)
 
 
 def validation_experience(learner: Learner, backend: Backend, cfg: Config, validation_env_params,

@@ -58,6 +58,7 @@ from foxhunt_jax.backend import Backend
 from foxhunt_jax.config import Config
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import phases
+from foxhunt_jax.training.collect import EnvAdapter
 from foxhunt_jax.training.phases import TrainerState
 
 PAIRED_PROGRAM = "validation_experience"
@@ -175,9 +176,13 @@ class Pipeline:
     """The compiled phase programs of one trainer, and the epoch that may be queued ahead."""
 
     def __init__(self, learner: Learner, backend: Backend, cfg: Config, mesh,
-                 inputs: ProgramInputs):
+                 inputs: ProgramInputs, adapter: EnvAdapter = phases.TRADING_ADAPTER,
+                 validate: Callable = phases.validation):
+        """``adapter``: the env's (:class:`~foxhunt_jax.training.collect.EnvAdapter`);
+        ``validate``: the Validation phase, :func:`~foxhunt_jax.training.phases.validation`'s
+        signature (a gymnax env's: :func:`~foxhunt_jax.training.phases.episode_validation`)."""
         self.learner, self.backend, self.cfg, self.mesh = learner, backend, cfg, mesh
-        self.inputs = inputs
+        self.inputs, self.adapter, self.validate = inputs, adapter, validate
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
 
@@ -194,15 +199,18 @@ class Pipeline:
         learner, backend, cfg, mesh = self.learner, self.backend, self.cfg, self.mesh
         inputs = self.inputs
         placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
-        experience = jit(lambda p, s, e: phases.experience(learner, backend, cfg, p, s, e, mesh),
+        adapter, validate = self.adapter, self.validate
+        experience = jit(lambda p, s, e: phases.experience(learner, backend, cfg, p, s, e, mesh,
+                                                           adapter),
                          donate_argnums=1, in_shardings=(replicated, placed, replicated),
                          out_shardings=(placed, replicated))
         # Training also returns a copy of the parameters it leaves (EpochResults.validated_params):
         # made here, it costs no launch of its own and leaves the paired rollouts alone
-        training = jit(lambda p, s, e: with_params_copy(*phases.training(learner, cfg, p, s, e)),
+        training = jit(lambda p, s, e: with_params_copy(*phases.training(learner, cfg, p, s, e,
+                                                                         adapter)),
                        donate_argnums=1, in_shardings=(replicated, placed, replicated),
                        out_shardings=(placed, replicated, replicated), training=True)
-        validation = jit(lambda p, w, a: phases.validation(learner, backend, cfg, p, w, a))
+        validation = jit(lambda p, w, a: validate(learner, backend, cfg, p, w, a))
         train_args = (inputs.train_env_params, state, inputs.schedule)
         validation_args = (inputs.validation_env_params, inputs.window_starts)
         programs = {"experience": (experience, train_args),

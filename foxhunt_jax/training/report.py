@@ -14,6 +14,11 @@ Files written under ``out_dir/report/``:
 * ``phases.png``: time per phase per epoch as stacked bars, with one-off costs (init, compile) in
   a separate panel so they do not squash the per-epoch bars.
 
+A run on a gymnax env (``env.name`` other than ``trading``) writes :func:`write_episode_report`
+instead: ``summary.json``, ``returns.png`` (:func:`returns_figure`: the validation episodes'
+mean return by epoch with their range, the selected epoch and the final greedy episodes' mean)
+and ``phases.png``; no trading figure or baseline.
+
 Keys read from the epoch records (nested keys joined with "/"; the trainer's record layout); a
 missing key leaves its panel marked "not recorded": ``loss``, ``val_loss``, ``epsilon``,
 ``val/{sharpe,total_return}``, ``val_buy_and_hold/{sharpe,total_return}``, optionally
@@ -413,13 +418,7 @@ def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
       records: epoch records; read from ``out_dir/metrics.jsonl`` when None.
     """
     report_dir = Path(out_dir) / "report"
-    report_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    summary_path = report_dir / "summary.json"
-    tmp = summary_path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(to_jsonable(summary), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, summary_path)
-    written.append(summary_path)
+    written = [_write_summary(report_dir, summary)]
 
     for split, evaluation in (evaluations or {}).items():
         written.append(plot_equity(report_dir / f"equity_{split}.png", evaluation,
@@ -432,6 +431,66 @@ def write_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
     return written
 
 
-__all__ = ["write_report", "metrics_table", "evaluation_table", "legend_label", "band_label",
-           "plot_equity", "plot_training", "plot_phases",
-           "equity_figure", "training_figure", "phases_figure"]
+def _write_summary(report_dir: Path, summary: Mapping[str, Any]) -> Path:
+    """``report_dir/summary.json`` (the folder made if needed), written whole."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = report_dir / "summary.json"
+    tmp = summary_path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(to_jsonable(summary), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, summary_path)
+    return summary_path
+
+
+def returns_figure(records: Sequence[Mapping], final_return: float | None = None) -> Figure:
+    """A gymnax run's progress by epoch: the validation episodes' mean return (``val/return``)
+    with the band from their lowest to their highest (``val/return_min``, ``val/return_max``),
+    the selected epoch marked, and ``final_return`` (the final greedy episodes' mean) as a
+    horizontal line."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    ep, mean = _series(records, "val/return")
+    if ep.size:
+        _, lo = _series(records, "val/return_min")
+        _, hi = _series(records, "val/return_max")
+        if lo.size == ep.size and hi.size == ep.size:
+            ax.fill_between(ep, lo, hi, color="tab:blue", alpha=0.15,
+                            label="validation episodes' range")
+        ax.plot(ep, mean, color="tab:blue", lw=1.8, marker="o" if ep.size <= 30 else None,
+                ms=3, label="validation mean return")
+        if final_return is not None:
+            ax.axhline(final_return, color="tab:green", lw=1.2, ls="-.",
+                       label=f"final greedy episodes: {final_return:.2f}")
+        last = next((r for r in reversed(records) if r.get("selected_epoch")), None)
+        if last is not None:
+            ax.axvline(int(last["selected_epoch"]), color="black", lw=1.0, ls="--", alpha=0.7,
+                       label=f"selected: epoch {int(last['selected_epoch'])}")
+        ax.legend(fontsize=8, loc="best")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        _not_recorded(ax, "validation return")
+    ax.set_title("Greedy episodes' return by epoch")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("return (undiscounted)")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def write_episode_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
+                         records: Sequence[Mapping] | None = None) -> list[Path]:
+    """A gymnax run's report: report/summary.json, returns.png (:func:`returns_figure`, with
+    ``summary["final"]["mean_return"]``) and phases.png; returns the files written.
+    ``records``: the epoch records, read from ``out_dir/metrics.jsonl`` when None."""
+    report_dir = Path(out_dir) / "report"
+    written = [_write_summary(report_dir, summary)]
+    if records is None:
+        records = read_metrics(out_dir)
+    if records:
+        final = summary.get("final", {}).get("mean_return")
+        written.append(_save(returns_figure(records, final), report_dir / "returns.png"))
+        written.append(plot_phases(report_dir / "phases.png", records))
+    return written
+
+
+__all__ = ["write_report", "write_episode_report", "returns_figure", "metrics_table",
+           "evaluation_table", "legend_label", "band_label", "plot_equity", "plot_training",
+           "plot_phases", "equity_figure", "training_figure", "phases_figure"]

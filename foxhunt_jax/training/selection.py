@@ -1,7 +1,8 @@
 """Choosing the agent on validation, and early stopping (host-side, from the epoch records).
 
 ``train.select_by`` names the validation metric: ``sharpe`` or ``total_return`` of the greedy
-validation windows (higher is better) or ``loss``, the validation C51 loss (lower is better).
+validation windows (higher is better) or ``loss``, the validation C51 loss (lower is better);
+for a gymnax env, ``return``, the mean return of the greedy validation episodes (higher).
 Only validation numbers are read, never the test split's. The first epoch is selected whatever
 its value; a later epoch replaces the selection when its value is finite and strictly better
 (ties keep the earlier epoch, a NaN never wins). ``train.patience`` > 0 stops a run after that
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 
 # metric -> (path in the epoch record, +1 when higher is better, -1 when lower is)
 METRICS = {"sharpe": (("val", "sharpe"), 1.0), "total_return": (("val", "total_return"), 1.0),
-           "loss": (("val_loss",), -1.0)}
+           "loss": (("val_loss",), -1.0), "return": (("val", "return"), 1.0)}
 
 
 def metric_value(record: dict, metric: str) -> float:

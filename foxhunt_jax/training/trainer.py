@@ -30,6 +30,8 @@ from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
+from foxhunt_jax.env.gymnax_task import TRADING
+from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import validate
 from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
@@ -74,6 +76,9 @@ class Trainer:
         divide ``train.shards``, else ConfigError. The trainer's ``cfg`` is ``cfg`` with
         ``network.support: auto`` resolved (:func:`~foxhunt_jax.agent.value_range.
         resolve_trading`)."""
+        if cfg.env.name != TRADING:
+            raise ConfigError(f"Trainer.build runs the trading env; env.name {cfg.env.name} is "
+                              "built by foxhunt_jax.api.build_trainer")
         start = time.perf_counter()
         mesh = parallel.make_mesh(cfg.train.shards, devices)
         local = parallel.local_device(mesh)
@@ -125,12 +130,13 @@ class Trainer:
         start = time.perf_counter()
         key = jax.random.PRNGKey(self.cfg.train.seed if seed is None else seed)
         train_env_params, learner, cfg = self.env_params["train"], self.learner, self.cfg
+        adapter = self.pipeline.adapter
         local = parallel.local_device(self.mesh)
         args = (parallel.local_view(train_env_params, local), jax.device_put(key, local))
-        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k)), args,
-                                       name="init_agent", config=cfg)
+        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k, adapter)),
+                                       args, name="init_agent", config=cfg)
         agent = parallel.put_replicated(make_agent(*args), self.mesh)
-        build = lambda p, k, a: initial_state(learner, cfg, p, k, a)
+        build = lambda p, k, a: initial_state(learner, cfg, p, k, a, adapter)
         args = (train_env_params, parallel.put_replicated(key, self.mesh), agent)
         # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
         make_state, _ = compile_cached(

@@ -200,7 +200,9 @@ def test_merge_joins_runs_that_split_the_sections(tmp_path, capsys):
     assert train[0]["steps_per_s"] == pytest.approx(12_500.0)
     assert res["roofline"] == report.roofline({"forward": second["forward"],
                                               "device": first["device"]}, _args(config="seed"))
-    assert "Seed epoch" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Seed epoch" in printed
+    assert printed.strip().splitlines()[-1] == f"wrote {out} (the results as JSON)"
     second["meta"]["commit"] = "def5678"
     assert report.merge([("a", first), ("b", second)])["meta"]["commit"] == "mixed"
     with pytest.raises(FoxhuntError, match="cannot read"):
@@ -313,6 +315,7 @@ def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
         rows = section.get("rows", []) + section.get("breakdown", [])
         assert not [r for r in rows if "error" in r], name
     printed = capsys.readouterr().out
+    assert printed.strip().splitlines()[-1] == f"wrote {out} (the results as JSON)"
     variants = [tuple(v) for v in saved["meta"]["variants"]]
     assert {b for b, _ in variants} == {"xla", "pallas"}
     assert {d for _, d in variants} == {"float32", "bfloat16"}

@@ -137,6 +137,7 @@ def test_act_prints_a_table_and_writes_the_json_keys(run_dir, tmp_path, capsys):
     # the default agent is the one selected on validation (the run has one epoch)
     assert "AAPL" in text and "selected agent (epoch 1 of 1, validation sharpe" in text
     assert "flat" in text
+    assert text.strip().splitlines()[-1] == f"wrote {tmp_path / 'a.json'} (the decisions as JSON)"
     records = json.loads((tmp_path / "a.json").read_text())
     assert [r["instrument"] for r in records] == ["AAPL", "FB", "GOOG", "IBM", "MSFT"]
     for r in records:

@@ -39,6 +39,17 @@ def test_auto_picks_the_kernels_only_where_they_compile_and_win(device, dtype, n
     assert (backend.rollout is not None) == (want == "pallas")
 
 
+def test_a_gymnax_env_runs_xla_and_refuses_pallas():
+    """The Pallas kernels are the trading env's: auto resolves to xla for any other env, also
+    where they would run for trading, and an explicit pallas is a config error."""
+    cfg = load_config(None, ["network.dtype=bfloat16"])
+    assert backends.resolve(cfg.network, GPU, "CartPole-v1").name == "xla"
+    assert backends.resolve(cfg.network, GPU).name == "pallas"
+    pallas = load_config(None, ["network.dtype=bfloat16", "network.backend=pallas"])
+    with pytest.raises(ConfigError, match="network.backend.*trading env's kernels only"):
+        backends.resolve(pallas.network, GPU, "CartPole-v1")
+
+
 def test_the_same_inputs_give_the_same_hashable_value():
     cfg = load_config(None)
     a, b = backends.resolve(cfg.network, CPU), backends.resolve(cfg.network, CPU)
