@@ -51,3 +51,61 @@ def test_each_member_trains_as_its_single_agent_run():
         assert rec["epsilon"] == pytest.approx(records[i]["epsilon"])
         assert rec["val"]["sharpe"] == pytest.approx(records[i]["val"]["sharpe"], rel=1e-3,
                                                      abs=1e-4)
+
+
+def test_resume_is_exact_for_every_member(tmp_path):
+    cfg = tiny("train.population=2", "train.epochs=3",
+               'population.grid=["train.gamma=0.9,0.99"]')
+    quiet = dict(progress=False, log=lambda s: None, final_report=False, compile_cache=False)
+    whole = api.train(cfg, tmp_path / "whole", **quiet)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(record):  # a stop after epoch 2's checkpoint, as a kill would leave it
+        if record["epoch"] == 2 and record["member"] == 1:
+            raise Stop
+    with pytest.raises(Stop):
+        api.train(cfg, tmp_path / "split", callbacks=[stop_after_two], **quiet)
+    resumed = api.train(cfg, tmp_path / "split", resume=True, **quiet)
+    for a, b in zip(leaves(whole.state), leaves(resumed.state)):
+        np.testing.assert_array_equal(a, b)
+    assert [s.to_json() for s in whole.selections] == [s.to_json() for s in resumed.selections]
+    records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "phase_ms"}
+                           for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert records("whole") == records("split")
+    assert sorted({(r["member"], r["epoch"]) for r in records("whole")}) == [
+        (m, e) for m in (0, 1) for e in (1, 2, 3)]
+
+
+def test_population_json_holds_every_member(tmp_path):
+    cfg = tiny("train.population=2", "train.epochs=1", 'population.grid=["env.cost_bps=1,30"]')
+    res = api.train(cfg, tmp_path / "run", progress=False, log=lambda s: None,
+                    compile_cache=False)
+    saved = json.loads((tmp_path / "run" / "population.json").read_text())["members"]
+    assert [m["hparams"] for m in saved] == [{"env.cost_bps": 1.0}, {"env.cost_bps": 30.0}]
+    assert [m["seed"] for m in saved] == [cfg.train.seed, cfg.train.seed + 1]
+    for m, kept in zip(saved, res.members):
+        assert m["selected_epoch"] == 1
+        assert len(m["validation_window_returns"]) == cfg.train.validation_windows
+        assert len(m["test_equity"]) == len(m["test_dates"]) >= 2
+        assert m["test"]["agent"]["sharpe"] == pytest.approx(kept["test"]["agent"]["sharpe"])
+        assert "sharpe" in m["test_percentile"]
+    # the two members pay different costs on the same walk: the buy-and-hold rows differ
+    assert saved[0]["test"]["buy_and_hold"] != saved[1]["test"]["buy_and_hold"]
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train.population=0", "train.population"),
+    ('population.grid=["train.nonsense=1,2"]', "train.nonsense"),
+    ('population.grid=["train.gamma=0.9,0.99"]', "multiple of the 2 cells"),
+    ('population.random=["train.gamma=0.5..1.5"]', "train.gamma"),
+])
+def test_bad_population_config_is_one_error_line(tmp_path, capsys, override, named):
+    from foxhunt_jax.cli import main
+    code = main(["train", "--config", "smoke", "--set", "train.population=3", "--set", override,
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error:") and named in err[0]
+    assert not (tmp_path / "run").exists()
