@@ -179,9 +179,8 @@ class TrainConfig:
                                         "epochs run Validation and the next Experience as one "
                                         "program")
     # P > 1: foxhunt_jax.training.population (docs/population.md)
-    population: int = setting(1, "P: agents trained at once in one program, member i with seed "
-                                 "train.seed + i and the hyperparameters of population.grid "
-                                 "and population.random")
+    population: int = setting(1, "P: agents trained in one program; member i has seed "
+                                 "train.seed + i (docs/population.md)")
 
 
 @dataclass(frozen=True)
@@ -204,11 +203,9 @@ class PopulationConfig:
     """Per-member hyperparameters of a population (``train.population`` > 1)."""
 
     grid: tuple[str, ...] = setting(
-        (), "KEY=V1,V2,... entries: member i takes cell i mod G of their product (G cells; "
-            "train.population must be a multiple of G)")
+        (), "KEY=V1,V2,... entries; member i takes cell i mod G of their G-cell product")
     random: tuple[str, ...] = setting(
-        (), "KEY=LOW..HIGH or KEY=LOW..HIGH:log entries: each member draws KEY uniformly "
-            "(integers for integer keys; :log uniformly in log space)")
+        (), "KEY=LOW..HIGH[:log] entries; each member draws KEY uniformly (or log-uniformly)")
     seed: int = setting(0, "seed of the population.random draws")
 
 
