@@ -15,8 +15,10 @@ stays a Python constant of the shared config (:func:`shared_config`), so member 
 what a single-agent run of :func:`~foxhunt_jax.config.member_config` computes (to float32
 rounding where a traced value replaces a constant; a test compares them).
 
-The programs run on one device (the first of this process); ``train.shards`` still splits
-each member's episodes and replay into shards on it.
+**Devices.** The member axis is split over the most local devices whose count divides P
+(:func:`member_devices`): each device trains its own members, and the env tables are copied to
+every one. The members' numbers do not depend on the device count. ``train.shards`` still
+splits each member's episodes and replay into shards, on the member's device.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import Learner, make_optimizer, schedule_values
@@ -124,6 +127,16 @@ def population_validation(learner, backend, cfg, validation_env_params, window_s
     return paths, loss, jax.tree.map(jnp.copy, agent.params)
 
 
+MEMBERS = "members"  # the mesh axis the member axis is split over
+
+
+def member_devices(size: int, devices=None) -> list:
+    """The most of ``devices`` (default: this process's) whose count divides ``size``."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    count = max(d for d in range(1, len(devices) + 1) if size % d == 0)
+    return devices[:count]
+
+
 def window_returns(equity: np.ndarray) -> np.ndarray:
     """``[W]`` total return of each validation window from ``equity [W, L+1]`` (starting at 1)."""
     return equity[:, -1] / equity[:, 0] - 1.0
@@ -141,15 +154,22 @@ class PopulationTrainer:
     hparams: dict  # varying key -> [P] device array
     schedules: jax.Array  # [P, 6] schedule_values of each member
     programs: dict
+    mesh: Mesh  # 1-D over member_devices, axis MEMBERS
+    train_env_params: Any  # replicated on the mesh
+    validation_env_params: Any  # replicated on the mesh
+    window_starts: jax.Array  # [W], replicated on the mesh
     init_ms: float = 0.0
     compile_ms: float = 0.0
     validated_params: Any = None  # [P, ...] network parameters of the last validated epoch
 
     @classmethod
-    def build(cls, cfg: Config, market: MarketData | None = None) -> "PopulationTrainer":
+    def build(cls, cfg: Config, market: MarketData | None = None,
+              devices: list | None = None) -> "PopulationTrainer":
+        """``devices`` (default: this process's) hold the members (:func:`member_devices`)."""
         start = time.perf_counter()
         members = population_members(cfg)
-        device = jax.local_devices()[0]
+        mesh = Mesh(np.asarray(member_devices(len(members), devices)), (MEMBERS,))
+        device = mesh.devices.flat[0]
         shared = shared_config(cfg, members)
         trainer = Trainer.build(shared, market=market, devices=[device])
         if cfg.network.support == "auto":  # one support that holds every member's returns
@@ -167,12 +187,22 @@ class PopulationTrainer:
         keys = varying_keys(members)
         schedules = np.stack([schedule_values(c.replay, c.train) for c in
                               (member_config(cfg, m, i) for i, m in enumerate(members))])
-        put = lambda x: jax.device_put(jnp.asarray(x), device)  # noqa: E731
+        split, whole = NamedSharding(mesh, PartitionSpec(MEMBERS)), NamedSharding(mesh,
+                                                                                PartitionSpec())
+        put = lambda x: jax.device_put(jnp.asarray(x), split)  # noqa: E731
+        copy = lambda tree: jax.device_put(tree, whole)  # noqa: E731
         out = cls(cfg, trainer, members, {k: put(v) for k, v in
                                           member_hparams(members, keys).items()},
-                  put(schedules), {})
+                  put(schedules), {}, mesh, copy(trainer.env_params["train"]),
+                  copy(trainer.env_params["validation"]),
+                  copy(jnp.asarray(trainer.validation_starts)))
         out.init_ms = (time.perf_counter() - start) * 1e3
         return out
+
+    @property
+    def _split(self) -> NamedSharding:
+        """Leading (member) axis split over the mesh."""
+        return NamedSharding(self.mesh, PartitionSpec(MEMBERS))
 
     @property
     def size(self) -> int:
@@ -190,10 +220,12 @@ class PopulationTrainer:
         ``PRNGKey(train.seed + i)``, stacked: leaves ``[P, ...]``."""
         start = time.perf_counter()
         tr = self.trainer
-        learner, cfg, params = tr.learner, tr.cfg, tr.env_params["train"]
-        keys = jnp.stack([jax.random.PRNGKey(self.seed(i)) for i in range(self.size)])
-        build = jax.jit(jax.vmap(lambda k: phases.initial_state(learner, cfg, params, k)))
-        state = jax.block_until_ready(build(keys))
+        learner, cfg = tr.learner, tr.cfg
+        keys = jax.device_put(jnp.stack([jax.random.PRNGKey(self.seed(i))
+                                         for i in range(self.size)]), self._split)
+        build = jax.jit(jax.vmap(lambda p, k: phases.initial_state(learner, cfg, p, k),
+                                 in_axes=(None, 0)), out_shardings=self._split)
+        state = jax.block_until_ready(build(self.train_env_params, keys))
         self.init_ms += (time.perf_counter() - start) * 1e3
         return state
 
@@ -202,18 +234,21 @@ class PopulationTrainer:
         start = time.perf_counter()
         tr = self.trainer
         learner, backend, cfg = tr.learner, tr.backend, tr.cfg
-        inputs = tr.pipeline.inputs
+        whole, split = NamedSharding(self.mesh, PartitionSpec()), self._split
+        placed = dict(in_shardings=(whole, split, split, split), out_shardings=(split, split),
+                      donate_argnums=1)
         experience = jax.jit(lambda p, s, e, h: population_experience(
-            learner, backend, cfg, p, s, e, h), donate_argnums=1)
+            learner, backend, cfg, p, s, e, h), **placed)
         training = jax.jit(lambda p, s, e, h: population_training(learner, cfg, p, s, e, h),
-                           donate_argnums=1)
+                           **placed)
         validation = jax.jit(lambda p, w, a, h: population_validation(
-            learner, backend, cfg, p, w, a, h))
-        args = (inputs.train_env_params, state, self.schedules, self.hparams)
+            learner, backend, cfg, p, w, a, h), in_shardings=(whole, whole, split, split),
+            out_shardings=split)
+        args = (self.train_env_params, state, self.schedules, self.hparams)
         self.programs = {
             "experience": experience.lower(*args).compile(),
             "training": training.lower(*args).compile(),
-            "validation": validation.lower(inputs.validation_env_params, inputs.window_starts,
+            "validation": validation.lower(self.validation_env_params, self.window_starts,
                                            state.agent, self.hparams).compile()}
         self.compile_ms += (time.perf_counter() - start) * 1e3
 
@@ -223,17 +258,17 @@ class PopulationTrainer:
         under ``"window_returns"`` beside the phase times in ``"phase_ms"``."""
         if not self.programs:
             self.compile(state)
-        inputs, programs = self.trainer.pipeline.inputs, self.programs
+        programs = self.programs
         ms = {}
         start = time.perf_counter()
         state, stats = jax.block_until_ready(programs["experience"](
-            inputs.train_env_params, state, self.schedules, self.hparams))
+            self.train_env_params, state, self.schedules, self.hparams))
         ms["experience"], start = (time.perf_counter() - start) * 1e3, time.perf_counter()
         state, metrics = jax.block_until_ready(programs["training"](
-            inputs.train_env_params, state, self.schedules, self.hparams))
+            self.train_env_params, state, self.schedules, self.hparams))
         ms["training"], start = (time.perf_counter() - start) * 1e3, time.perf_counter()
         paths, loss, validated = jax.block_until_ready(programs["validation"](
-            inputs.validation_env_params, inputs.window_starts, state.agent, self.hparams))
+            self.validation_env_params, self.window_starts, state.agent, self.hparams))
         ms["validation"] = (time.perf_counter() - start) * 1e3
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0
@@ -263,6 +298,6 @@ class PopulationTrainer:
                                    cfg=dataclasses.replace(self.trainer.cfg, env=env))
 
 
-__all__ = ["PopulationTrainer", "TRACED_KEYS", "varying_keys", "shared_config", "member_hparams",
+__all__ = ["PopulationTrainer", "TRACED_KEYS", "MEMBERS", "member_devices", "varying_keys", "shared_config", "member_hparams",
            "member_view", "population_experience", "population_training",
            "population_validation", "window_returns"]

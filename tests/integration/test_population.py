@@ -2,6 +2,11 @@
 and hyperparameters would; exact resume of every member; the run folder's records."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,6 +17,7 @@ from foxhunt_jax.config import load_config, member_config, population_members
 from foxhunt_jax.training.population import PopulationTrainer
 from foxhunt_jax.training.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["network.backend=xla", "network.dtype=float32", "network.trunk=[16]", "network.head=8",
         "env.episode_length=8", "train.num_episodes=4", "train.train_steps=3",
         "train.batch_size=8", "replay.capacity=256", "train.validation_windows=4",
@@ -109,3 +115,32 @@ def test_bad_population_config_is_one_error_line(tmp_path, capsys, override, nam
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error:") and named in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_members_split_over_two_devices_give_the_one_device_numbers(tmp_path):
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from foxhunt_jax.config import load_config
+        from foxhunt_jax.training.population import PopulationTrainer
+        cfg = load_config("smoke", {TINY!r} + ["train.population=2",
+                          'population.grid=["train.gamma=0.9,0.99"]'])
+        runs = []
+        for devices in (jax.devices()[:1], jax.devices()):
+            pop = PopulationTrainer.build(cfg, devices=devices)
+            state = pop.init_state()
+            for _ in range(2):
+                state, records, _ = pop.run_epoch(state)
+            runs.append((pop.mesh.size, [r["loss"] for r in records],
+                         [np.asarray(x) for x in jax.tree.leaves(state)]))
+        (one, loss_one, leaves_one), (two, loss_two, leaves_two) = runs
+        assert (one, two) == (1, 2), (one, two)
+        assert loss_one == loss_two, (loss_one, loss_two)
+        for a, b in zip(leaves_one, leaves_two):
+            np.testing.assert_array_equal(a, b)
+        print("same")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
