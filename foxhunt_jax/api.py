@@ -205,7 +205,7 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
     if cfg.train.population > 1:
         return _train_population(cfg, out, writer, resume=resume, log=log, callbacks=callbacks,
-                                 final_report=final_report)
+                                 final_report=final_report, devices=devices)
     trainer = Trainer.build(cfg, devices=devices)
     cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
     if writer is not None and not resume:
@@ -560,17 +560,21 @@ def population_line(records: list[dict], epochs: int) -> str:
 
 def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
                       log: Callable[[str], None], callbacks: tuple[EpochCallback, ...],
-                      final_report: bool) -> PopulationResult:
+                      final_report: bool, devices: list | None) -> PopulationResult:
     """:func:`train` of a population: every member's records, selection, selected networks and
-    final evaluation; the checkpoint holds every member (resume is exact for each)."""
-    pop = PopulationTrainer.build(cfg)
+    final evaluation; the checkpoint holds every member (resume is exact for each). The
+    members are split over ``devices`` (default: this process's) whose count divides P."""
+    if jax.process_count() > 1:
+        raise ConfigError("train.population > 1 runs in one process (its members are split "
+                          "over that process's devices)")
+    pop = PopulationTrainer.build(cfg, devices=devices)
     cfg, size = pop.cfg, pop.size
     if writer is not None and not resume:
         writer.write_config(dump_yaml(cfg))
     varied = sorted({k for m in pop.members for k in m})
     log(f"population: {size} members (seeds {cfg.train.seed}..{cfg.train.seed + size - 1}"
         f"{'; varying ' + ', '.join(varied) if varied else ''}) in one program on "
-        f"{jax.local_devices()[0]}")
+        f"{pop.mesh.size} device(s)")
     state = pop.init_state()
     selections = [Selection(cfg.train.select_by) for _ in range(size)]
     window_returns: list = [None] * size  # each member's selected epoch's [W] window returns
