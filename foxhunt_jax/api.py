@@ -142,6 +142,11 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     selected agent's network is saved to ``out_dir/selected/<epoch>/`` before the checkpoint
     that names it, the final report walks it, and ``TrainResult.selected_agent`` holds it.
 
+    ``train.population`` > 1 trains every member in one program per phase and returns a
+    :class:`PopulationResult` (docs/population.md): one record a member an epoch (with
+    ``member`` and ``seed``), per-member selections and selected networks
+    (:func:`member_selected_dir`), and ``population.json`` in ``out_dir``.
+
     ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
     count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
     every process calls ``train``; process 0 alone writes the run directory's files (all take part
