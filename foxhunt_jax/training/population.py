@@ -161,6 +161,7 @@ class PopulationTrainer:
     init_ms: float = 0.0
     compile_ms: float = 0.0
     validated_params: Any = None  # [P, ...] network parameters of the last validated epoch
+    _env_trainers: dict = dataclasses.field(default_factory=dict)  # member_trainer's, by env
 
     @classmethod
     def build(cls, cfg: Config, market: MarketData | None = None,
@@ -278,8 +279,8 @@ class PopulationTrainer:
         records, returns = [], []
         for i in range(self.size):
             pick = lambda tree: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
-            rec = self.trainer.epoch_record(pick(stats), pick(metrics), pick(paths), loss[i],
-                                            dict(ms))
+            rec = self.member_trainer(i).epoch_record(pick(stats), pick(metrics), pick(paths),
+                                                      loss[i], dict(ms))
             records.append({"member": i, "seed": self.seed(i), **rec})
             returns.append(window_returns(validate.equity_paths(pick(paths))["equity"]))
         return state, records, {"phase_ms": ms, "window_returns": np.stack(returns)}
@@ -289,13 +290,19 @@ class PopulationTrainer:
         return parallel.to_host(jax.tree.map(lambda x: x[index], params))
 
     def member_trainer(self, index: int) -> Trainer:
-        """The shared trainer with member ``index``'s environment (its ``env.cost_bps``) for
-        :meth:`~foxhunt_jax.training.trainer.Trainer.evaluate_split`; the other varying keys
-        do not change a greedy walk."""
+        """The shared trainer with member ``index``'s environment (its ``env.cost_bps``): what
+        its epoch records' buy-and-hold and
+        :meth:`~foxhunt_jax.training.trainer.Trainer.evaluate_split` walk with (the other
+        varying keys do not change a greedy walk). Members with the same env share one."""
         env = dataclasses.replace(self.trainer.cfg.env, **{
             k.split(".")[1]: v for k, v in self.members[index].items() if k.startswith("env.")})
-        return dataclasses.replace(self.trainer,
-                                   cfg=dataclasses.replace(self.trainer.cfg, env=env))
+        if env == self.trainer.cfg.env:
+            return self.trainer
+        if env not in self._env_trainers:  # each caches its own buy-and-hold metrics
+            self._env_trainers[env] = dataclasses.replace(
+                self.trainer, cfg=dataclasses.replace(self.trainer.cfg, env=env),
+                _validation_buy_and_hold=None)
+        return self._env_trainers[env]
 
 
 __all__ = ["PopulationTrainer", "TRACED_KEYS", "MEMBERS", "member_devices", "varying_keys", "shared_config", "member_hparams",

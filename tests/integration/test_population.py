@@ -99,6 +99,8 @@ def test_population_json_holds_every_member(tmp_path):
         assert "sharpe" in m["test_percentile"]
     # the two members pay different costs on the same walk: the buy-and-hold rows differ
     assert saved[0]["test"]["buy_and_hold"] != saved[1]["test"]["buy_and_hold"]
+    first, second = res.history
+    assert first["val_buy_and_hold"]["total_return"] > second["val_buy_and_hold"]["total_return"]
 
 
 @pytest.mark.parametrize("override, named", [
