@@ -14,6 +14,7 @@ import pytest
 
 from foxhunt_jax import api
 from foxhunt_jax.config import load_config, member_config, population_members
+from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training.population import PopulationTrainer
 from foxhunt_jax.training.trainer import Trainer
 
@@ -101,6 +102,8 @@ def test_population_json_holds_every_member(tmp_path):
     assert saved[0]["test"]["buy_and_hold"] != saved[1]["test"]["buy_and_hold"]
     first, second = res.history
     assert first["val_buy_and_hold"]["total_return"] > second["val_buy_and_hold"]["total_return"]
+    with pytest.raises(ConfigError, match="population.json"):  # not one agent to evaluate
+        api.evaluate(tmp_path / "run", compile_cache=False)
 
 
 @pytest.mark.parametrize("override, named", [
