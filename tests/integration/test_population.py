@@ -125,6 +125,8 @@ def test_bad_population_config_is_one_error_line(tmp_path, capsys, override, nam
 def test_members_split_over_two_devices_give_the_one_device_numbers(tmp_path):
     script = textwrap.dedent(f"""
         import jax, numpy as np
+        from foxhunt_jax.jitcache import enable_compilation_cache
+        enable_compilation_cache(executables=False)  # the suite's persistent cache
         from foxhunt_jax.config import load_config
         from foxhunt_jax.training.population import PopulationTrainer
         cfg = load_config("smoke", {TINY!r} + ["train.population=2",
