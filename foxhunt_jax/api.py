@@ -685,4 +685,5 @@ def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | 
 
 
 __all__ = ["train", "evaluate", "load_run", "run_agent", "agent_text", "evaluation_path",
-           "TrainResult", "PopulationResult", "POPULATION_FILE", "member_selected_dir", "phase_line", "all_finite", "AGENTS"]
+           "TrainResult", "PopulationResult", "POPULATION_FILE", "member_selected_dir",
+           "phase_line", "all_finite", "AGENTS"]

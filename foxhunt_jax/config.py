@@ -557,9 +557,8 @@ def population_grid(cfg: Config) -> list[dict]:
 
 
 def population_draws(cfg: Config) -> dict[str, list]:
-    """``{key: [value of member 0, 1, ...]}`` of ``population.random``: key ``j`` of the
-    entries (in their order) draws its ``P`` values from ``numpy.random.default_rng([population.seed,
-    j])``."""
+    """``{key: [value of member 0, 1, ...]}`` of ``population.random``: entry ``j`` draws its
+    ``P`` values from ``numpy.random.default_rng([population.seed, j])``."""
     p, draws = cfg.train.population, {}
     for j, entry in enumerate(cfg.population.random):
         key, spec = _population_key(entry, "population.random")
@@ -714,7 +713,8 @@ def _flatten(mapping: dict, prefix: str = "") -> dict:
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
     "CuriosityConfig", "TrainConfig", "EvalConfig", "PopulationConfig", "POPULATION_KEYS",
-    "population_members", "member_config", "population_grid", "population_draws", "load_config", "from_dict", "replace",
+    "population_members", "member_config", "population_grid", "population_draws", "load_config",
+    "from_dict", "replace",
     "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
     "setting", "KeyInfo", "keys", "show_yaml", "yaml_line", "differences",
 ]

@@ -305,6 +305,7 @@ class PopulationTrainer:
         return self._env_trainers[env]
 
 
-__all__ = ["PopulationTrainer", "TRACED_KEYS", "MEMBERS", "member_devices", "varying_keys", "shared_config", "member_hparams",
+__all__ = ["PopulationTrainer", "TRACED_KEYS", "MEMBERS", "member_devices", "varying_keys",
+           "shared_config", "member_hparams",
            "member_view", "population_experience", "population_training",
            "population_validation", "window_returns"]
