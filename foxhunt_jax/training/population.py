@@ -128,6 +128,8 @@ def population_validation(learner, backend, cfg, validation_env_params, window_s
 
 
 MEMBERS = "members"  # the mesh axis the member axis is split over
+# the varying keys network.support auto's range depends on (agent/value_range.py)
+RANGE_KEYS = ("train.gamma", "env.cost_bps")
 
 
 def member_devices(size: int, devices=None) -> list:
@@ -174,8 +176,11 @@ class PopulationTrainer:
         shared = shared_config(cfg, members)
         trainer = Trainer.build(shared, market=market, devices=[device])
         if cfg.network.support == "auto":  # one support that holds every member's returns
+            # the range depends on gamma and the costs: once for each of their combinations
+            distinct = {repr(sorted((k, v) for k, v in m.items() if k in RANGE_KEYS)): m
+                        for m in members}
             ranges = [resolve_trading(member_config(shared, m, 0), trainer.tables).network
-                      for m in members]
+                      for m in distinct.values()]
             low, high = min(n.v_min for n in ranges), max(n.v_max for n in ranges)
             if (low, high) != (trainer.cfg.network.v_min, trainer.cfg.network.v_max):
                 explicit = {"network.support": "explicit", "network.v_min": low,
