@@ -40,6 +40,7 @@ from foxhunt_jax.config import Config, member_config, population_members
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
+from foxhunt_jax.training.pipeline import ready_clock
 from foxhunt_jax.training.trainer import Trainer
 
 # keys traced as [P] arrays when they vary (the epsilon schedule always is: one row a member)
@@ -265,17 +266,23 @@ class PopulationTrainer:
         if not self.programs:
             self.compile(state)
         programs = self.programs
-        ms = {}
+        # the three programs are queued back to back and timed by completion clocks, as the
+        # single-agent pipeline times its phases
         start = time.perf_counter()
-        state, stats = jax.block_until_ready(programs["experience"](
-            self.train_env_params, state, self.schedules, self.hparams))
-        ms["experience"], start = (time.perf_counter() - start) * 1e3, time.perf_counter()
-        state, metrics = jax.block_until_ready(programs["training"](
-            self.train_env_params, state, self.schedules, self.hparams))
-        ms["training"], start = (time.perf_counter() - start) * 1e3, time.perf_counter()
-        paths, loss, validated = jax.block_until_ready(programs["validation"](
-            self.validation_env_params, self.window_starts, state.agent, self.hparams))
-        ms["validation"] = (time.perf_counter() - start) * 1e3
+        state, stats = programs["experience"](self.train_env_params, state, self.schedules,
+                                              self.hparams)
+        experience_ready = ready_clock(stats)
+        state, metrics = programs["training"](self.train_env_params, state, self.schedules,
+                                              self.hparams)
+        training_ready = ready_clock(metrics)
+        paths, loss, validated = programs["validation"](
+            self.validation_env_params, self.window_starts, state.agent, self.hparams)
+        validation_ready = ready_clock((paths, loss, validated))
+        ends = [start]
+        for ready in (experience_ready, training_ready, validation_ready):
+            ends.append(max(ready(), ends[-1]))
+        ms = {name: (end - begin) * 1e3 for name, begin, end in
+              zip(("experience", "training", "validation"), ends, ends[1:])}
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0
         ms["total"] = sum(ms.values())
