@@ -676,9 +676,14 @@ def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | 
     if out is not None and jax.process_index() == 0:
         path = out / POPULATION_FILE
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(to_jsonable({"bars_per_year": pop.trainer.market.bars_per_year,
-                                               "members": members}), indent=1))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(to_jsonable({
+                "bars_per_year": pop.trainer.market.bars_per_year, "members": members}),
+                indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            raise FoxhuntError(f"cannot write {e.filename or path} "
+                               f"({(e.strerror or str(e)).lower()})") from None
         # the population report (foxhunt_jax.research.population.population_report(members,
         # out, bars_per_year): tables and plots of these members) is called here
     return members
