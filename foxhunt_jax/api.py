@@ -598,6 +598,11 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
     history = read_metrics(out) if (resume and out is not None) else []
     selected_params: list = [None] * size
     unsaved: set[int] = set()
+    if epoch < epochs and not all(s.stops(patience) for s in selections):
+        log("compiling the population's phase programs ...")
+        pop.compile(state)
+        log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s; state init "
+            f"{pop.init_ms / 1e3:.1f} s")
     while epoch < epochs and not all(s.stops(patience) for s in selections):
         state, records, extra = pop.run_epoch(state)
         epoch = records[0]["epoch"]
