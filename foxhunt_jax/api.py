@@ -601,8 +601,8 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
     if epoch < epochs and not all(s.stops(patience) for s in selections):
         log("compiling the population's phase programs ...")
         pop.compile(state)
-        log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s; state init "
-            f"{pop.init_ms / 1e3:.1f} s")
+        log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s ({pop.executables_loaded} "
+            f"of 3 loaded from the executable cache); state init {pop.init_ms / 1e3:.1f} s")
     while epoch < epochs and not all(s.stops(patience) for s in selections):
         state, records, extra = pop.run_epoch(state)
         epoch = records[0]["epoch"]
