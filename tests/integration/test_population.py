@@ -55,6 +55,8 @@ def test_each_member_trains_as_its_single_agent_run():
         for a, b in zip(leaves(s.agent.params), leaves(member)):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
         np.testing.assert_allclose(rec["loss"], records[i]["loss"], rtol=1e-4)
+        np.testing.assert_allclose(rec["val_loss"], records[i]["val_loss"], rtol=1e-4)
+        assert rec["reward"] == pytest.approx(records[i]["reward"], rel=1e-4, abs=1e-6)
         assert rec["epsilon"] == pytest.approx(records[i]["epsilon"])
         assert rec["val"]["sharpe"] == pytest.approx(records[i]["val"]["sharpe"], rel=1e-3,
                                                      abs=1e-4)
