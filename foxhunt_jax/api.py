@@ -34,8 +34,10 @@ from foxhunt_jax.env.gymnax_task import TRADING, make_task
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.spec import write_statistics
+from foxhunt_jax.research.population import chosen_lines, population_report
 from foxhunt_jax.training import checkpoint, report, validate
 from foxhunt_jax.training.phases import TrainerState, all_finite
+from foxhunt_jax.training.population import PopulationTrainer
 from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder,
                                          checkpoint_steps, open_run, read_metrics, to_jsonable)
 from foxhunt_jax.training.selection import Selection
@@ -149,6 +151,11 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
     selected agent's network is saved to ``out_dir/selected/<epoch>/`` before the checkpoint
     that names it, the final report walks it, and ``TrainResult.selected_agent`` holds it.
 
+    ``train.population`` > 1 trains every member in one program per phase and returns a
+    :class:`PopulationResult` (docs/population.md): one record a member an epoch (with
+    ``member`` and ``seed``), per-member selections and selected networks
+    (:func:`member_selected_dir`), and ``population.json`` in ``out_dir``.
+
     ``devices`` (default: every device of every process) run the ``train.shards`` shards; their
     count must divide it. In a multi-process run (:func:`foxhunt_jax.parallel.initialize` first)
     every process calls ``train``; process 0 alone writes the run directory's files (all take part
@@ -183,7 +190,9 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
                 keys = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, a, b in changed)
                 raise ConfigError(f"--resume: the config differs from {out}/config.yaml ({keys}); "
                                   "only train.epochs may change")
-        writer = open_run(out, dump_yaml(cfg), resume=resume, tensorboard="tensorboard" in log_to,
+        # a population writes P records an epoch: metrics.jsonl only (a member field each)
+        writer = open_run(out, dump_yaml(cfg), resume=resume,
+                          tensorboard="tensorboard" in log_to and cfg.train.population == 1,
                           process_index=jax.process_index(), warn=_warn if lead else None)
     else:
         writer = None
@@ -210,6 +219,9 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
            callbacks: tuple[EpochCallback, ...], final_report: bool,
            devices: list | None) -> TrainResult:
     """:func:`train` in a checked, locked run folder (``writer``), or without one."""
+    if cfg.train.population > 1:
+        return _train_population(cfg, out, writer, resume=resume, log=log, callbacks=callbacks,
+                                 final_report=final_report, devices=devices)
     trainer = build_trainer(cfg, devices)
     cfg = trainer.cfg  # network.support auto resolved: the run records the range it uses
     if writer is not None and not resume:
@@ -427,6 +439,9 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
         raise ConfigError(f"{run} trained env.name {cfg.env.name}: evaluate, act and export "
                           "serve trading runs (its report/summary.json holds the final greedy "
                           "episodes' return)")
+    if cfg.train.population > 1:
+        raise ConfigError(f"{run} holds a population of {cfg.train.population} agents: its "
+                          f"members' evaluations are in {run}/population.json")
     if data:
         cfg = replace(cfg, data={"source": list(data)})
     if checkpoint.latest_step(run / "checkpoints") is None:
@@ -548,5 +563,214 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     return metrics
 
 
+# ---------------------------------------------------------------------------------------------
+# Populations (train.population > 1): one program trains every member (training/population.py)
+
+POPULATION_FILE = "population.json"
+
+
+@dataclass
+class PopulationResult:
+    """What :func:`train` returns for ``train.population`` > 1."""
+
+    state: TrainerState  # every leaf [P, ...]
+    trainer: PopulationTrainer
+    history: list[dict]  # every member's epoch records (each with ``member`` and ``seed``)
+    members: list[dict]  # one dict a member: what population.json holds
+    selections: list[Selection]
+
+
+def member_selected_dir(out: Path, index: int) -> Path:
+    """Where member ``index``'s selected networks are saved: ``selected/member_<index>/``."""
+    return out / checkpoint.SELECTED_DIR / f"member_{index}"
+
+
+def _population_metadata(cfg: Config, epoch: int, selections: list[Selection],
+                         window_returns: list) -> dict:
+    return {"epoch": epoch, "config": to_dict(cfg),
+            "selections": [s.to_json() for s in selections],
+            "window_returns": [None if w is None else np.asarray(w).tolist()
+                               for w in window_returns]}
+
+
+def _check_member_finite(rec: dict) -> None:
+    if not (np.isfinite(rec["loss"]) and rec["finite_params"] and rec["finite_opt_state"]):
+        raise NonFiniteError(f"epoch {rec['epoch']}: member {rec['member']}'s loss, parameters "
+                             "or optimizer state are not finite; stopped, last good checkpoint "
+                             "kept")
+
+
+def population_line(records: list[dict], epochs: int) -> str:
+    """One epoch of a population: phase times and the members' validation Sharpe ratios."""
+    ms = records[0]["phase_ms"]
+    head = " | ".join(f"{k.capitalize()} {ms[k]:8.1f}" for k in
+                      ("init", "compile", "experience", "training", "validation", "total")
+                      if k not in ("init", "compile") or ms[k] > 0)
+    sharpe = np.asarray([r["val"]["sharpe"] for r in records], np.float64)
+    best = int(np.nanargmax(sharpe)) if np.isfinite(sharpe).any() else 0
+    return (f"epoch {records[0]['epoch']:>3}/{epochs} | {head} ms | {len(records)} members | "
+            f"val sharpe mean {np.nanmean(sharpe):+.2f} min {np.nanmin(sharpe):+.2f} max "
+            f"{np.nanmax(sharpe):+.2f} (member {best})")
+
+
+def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
+                      log: Callable[[str], None], callbacks: tuple[EpochCallback, ...],
+                      final_report: bool, devices: list | None) -> PopulationResult:
+    """:func:`train` of a population: every member's records, selection, selected networks and
+    final evaluation; the checkpoint holds every member (resume is exact for each). The
+    members are split over ``devices`` (default: this process's) whose count divides P."""
+    if jax.process_count() > 1:
+        raise ConfigError("train.population > 1 runs in one process (its members are split "
+                          "over that process's devices)")
+    pop = PopulationTrainer.build(cfg, devices=devices)
+    cfg, size = pop.cfg, pop.size
+    if writer is not None and not resume:
+        writer.write_config(dump_yaml(cfg))
+    varied = sorted({k for m in pop.members for k in m})
+    log(f"population: {size} members (seeds {cfg.train.seed}..{cfg.train.seed + size - 1}"
+        f"{'; varying ' + ', '.join(varied) if varied else ''}) in one program on "
+        f"{pop.mesh.size} device(s)")
+    state = pop.init_state()
+    selections = [Selection(cfg.train.select_by) for _ in range(size)]
+    window_returns: list = [None] * size  # each member's selected epoch's [W] window returns
+    if resume:
+        state, meta, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
+        writer.truncate_after(int(state.epoch[0]))
+        selections = [Selection.from_json(s) for s in meta["selections"]]
+        window_returns = [None if w is None else np.asarray(w) for w in meta["window_returns"]]
+        log(f"resumed from epoch {int(state.epoch[0])}")
+    elif writer is not None:
+        write_statistics(out, pop.trainer.tables, pop.trainer.market)
+    epoch, epochs, patience = int(state.epoch[0]), cfg.train.epochs, cfg.train.patience
+    if out is not None:
+        for i in range(size):
+            checkpoint.drop_after(member_selected_dir(out, i), epoch)
+    history = read_metrics(out) if (resume and out is not None) else []
+    selected_params: list = [None] * size
+    unsaved: set[int] = set()
+    if epoch < epochs and not all(s.stops(patience) for s in selections):
+        log("compiling the population's phase programs ...")
+        pop.compile(state)
+        log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s ({pop.executables_loaded} "
+            f"of 3 loaded from the executable cache); state init {pop.init_ms / 1e3:.1f} s")
+    while epoch < epochs and not all(s.stops(patience) for s in selections):
+        state, records, extra = pop.run_epoch(state)
+        epoch = records[0]["epoch"]
+        for i, rec in enumerate(records):
+            _check_member_finite(rec)
+            if not selections[i].stops(patience):  # a member out of patience keeps its choice
+                selections[i], improved = selections[i].update(rec)
+                if improved:
+                    selected_params[i] = pop.member_params(pop.validated_params, i)
+                    window_returns[i] = extra["window_returns"][i]
+                    unsaved.add(i)
+            rec.update(selections[i].record_fields(rec))
+            history.append(rec)
+            if writer is not None:
+                writer.log(rec)
+        if epoch % cfg.train.log_every == 0 or epoch == epochs:
+            log(population_line(records, epochs))
+        stop = all(s.stops(patience) for s in selections)
+        if out is not None and (epoch % cfg.train.checkpoint_every == 0 or epoch == epochs
+                                or stop):
+            for i in sorted(unsaved):  # selected networks first: a checkpoint names saved ones
+                checkpoint.save(member_selected_dir(out, i), selections[i].epoch,
+                                selected_params[i],
+                                dict(_selected_metadata(cfg, selections[i]), member=i),
+                                keep=checkpoint.KEEP + 1)
+            unsaved.clear()
+            checkpoint.save(out / "checkpoints", epoch, state,
+                            _population_metadata(cfg, epoch, selections, window_returns))
+        for rec in records if callbacks else ():
+            for callback in callbacks:
+                callback(to_jsonable(rec))
+        if stop:
+            log(f"early stop after epoch {epoch}: no member's validation {cfg.train.select_by} "
+                f"improved for {patience} epochs (train.patience)")
+    members: list[dict] = []
+    written: list[Path] = []
+    if final_report:
+        members = _population_report(pop, state, out, selections, selected_params,
+                                     window_returns, log)
+        if out is not None and jax.process_index() == 0:
+            written = [out / POPULATION_FILE] + _write_population_report(
+                members, out, pop.trainer.market.bars_per_year, log)
+    if out is not None:
+        log(wrote_line(out, written, tensorboard=False))
+    return PopulationResult(state=state, trainer=pop, history=history, members=members,
+                            selections=selections)
+
+
+def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | None,
+                       selections: list[Selection], selected_params: list,
+                       window_returns: list, log) -> list[dict]:
+    """Full validation and test walks of every member's selected agent (one member at a time on
+    the host); writes ``population.json``: one dict a member (docs/population.md)."""
+    members = []
+    for i in range(pop.size):
+        agent = parallel.to_host(jax.tree.map(lambda x: x[i], state.agent))
+        if selected_params[i] is not None:
+            agent = agent.replace(params=selected_params[i])
+        elif out is not None and selections[i].epoch:
+            found = checkpoint.restore_selected(member_selected_dir(out, i), int(state.epoch[0]),
+                                                agent.params, warn=_warn)
+            if found is not None:
+                agent = agent.replace(params=found[0])
+        trainer = pop.member_trainer(i)
+        walks = {split: trainer.evaluate_split(agent, split) for split in ("validation", "test")}
+        test = walks["test"]
+        members.append({
+            "member": i, "seed": pop.seed(i), "hparams": dict(pop.members[i]),
+            "select_metric": selections[i].metric, "selected_epoch": selections[i].epoch,
+            "select_value": selections[i].value,
+            "validation": walks["validation"]["metrics"], "test": test["metrics"],
+            "test_percentile": test["metrics"]["agent_percentile"],
+            "validation_window_returns": window_returns[i],
+            "test_equity": test["curves"]["agent"],
+            "test_dates": [str(d) for d in np.asarray(test["dates"]).astype("datetime64[s]")]})
+        agent_metrics = test["metrics"]["agent"]
+        log(f"member {i} (seed {pop.seed(i)}): selected epoch {selections[i].epoch}, test "
+            f"sharpe {agent_metrics['sharpe']:+.2f}, percentile vs random "
+            f"{test['metrics']['agent_percentile'].get('sharpe', float('nan')):.0f}")
+    if out is not None and jax.process_index() == 0:
+        path = out / POPULATION_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(to_jsonable({
+                "bars_per_year": pop.trainer.market.bars_per_year, "members": members}),
+                indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            raise FoxhuntError(f"cannot write {e.filename or path} "
+                               f"({(e.strerror or str(e)).lower()})") from None
+    return members
+
+
+def _write_population_report(members: list[dict], out: Path, bars_per_year: float,
+                             log) -> list[Path]:
+    """The population report's files (:func:`~foxhunt_jax.research.population.
+    population_report`) and its chosen-member lines; a member it cannot score (a non-finite
+    metric) leaves it unwritten with one warning line, the trained run intact."""
+    try:
+        summary = population_report(report_rows(members), out, bars_per_year)
+    except ValueError as e:
+        _warn(f"warning: population report not written: {e}")
+        return []
+    for line in chosen_lines(summary["chosen"], len(members)):
+        log(line)
+    return [Path(p) for p in summary["written"]]
+
+
+def report_rows(members: list[dict]) -> list[dict]:
+    """``population.json``'s members in the input form of
+    :func:`~foxhunt_jax.research.population.population_report`: the agent's own metrics, its
+    Sharpe percentile against the random band and its per-bar test log returns."""
+    return [dict(m, validation=m["validation"]["agent"], test=m["test"]["agent"],
+                 test_percentile=m["test_percentile"]["sharpe"],
+                 test_returns=np.diff(np.log(np.asarray(m["test_equity"], np.float64))).tolist())
+            for m in members]
+
+
 __all__ = ["train", "evaluate", "load_run", "build_trainer", "run_agent", "agent_text",
-           "evaluation_path", "TrainResult", "phase_line", "all_finite", "AGENTS"]
+           "evaluation_path", "TrainResult", "PopulationResult", "POPULATION_FILE",
+           "member_selected_dir", "phase_line", "all_finite", "AGENTS"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from foxhunt_jax.data.features import DEFAULT_FEATURES, parse_split_dates, resolve_features
@@ -183,6 +184,9 @@ class TrainConfig:
     pair_rollouts: bool = setting(True, "with network.backend=pallas on one device, queued "
                                         "epochs run Validation and the next Experience as one "
                                         "program")
+    # P > 1: foxhunt_jax.training.population (docs/population.md)
+    population: int = setting(1, "P: agents trained in one program; member i has seed "
+                                 "train.seed + i (docs/population.md)")
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,23 @@ class EvalConfig:
     # the agent's exploration draw, the same costs, walked beside the agent in one program
     random_policies: int = setting(200, "random policies whose 5th, 50th and 95th percentiles "
                                         "of every metric the reports give")
+
+
+# the keys a population may vary across members (docs/population.md says how each is traced)
+POPULATION_KEYS = ("train.learning_rate", "train.gamma", "train.n_step", "train.epsilon_start",
+                   "train.epsilon_end", "train.epsilon_decay_epochs", "curiosity.coef",
+                   "env.cost_bps")
+
+
+@dataclass(frozen=True)
+class PopulationConfig:
+    """Per-member hyperparameters of a population (``train.population`` > 1)."""
+
+    grid: tuple[str, ...] = setting(
+        (), "KEY=V1,V2,... entries; member i takes cell i mod G of their G-cell product")
+    random: tuple[str, ...] = setting(
+        (), "KEY=LOW..HIGH[:log] entries; each member draws KEY uniformly (or log-uniformly)")
+    seed: int = setting(0, "seed of the population.random draws")
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,9 @@ class Config:
                                          meaning="random-network-distillation novelty bonus")
     train: TrainConfig = setting(factory=TrainConfig, meaning="the training loop")
     eval: EvalConfig = setting(factory=EvalConfig, meaning="the final report and evaluate")
+    population: PopulationConfig = setting(factory=PopulationConfig,
+                                           meaning="per-member hyperparameters of "
+                                                   "train.population")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +407,7 @@ def validate(cfg: Config) -> Config:
     (patterns expanded) or raises ConfigError."""
     for key, value in _values_of(cfg, float):
         _check(math.isfinite(value), key, "must be a finite number", value)
-    seeds = ("train.seed", "data.synthetic.seed")
+    seeds = ("train.seed", "data.synthetic.seed", "population.seed")
     for key, value in _values_of(cfg, int):
         low, high = SEED_RANGE if key in seeds else (-INT_LIMIT, INT_LIMIT)
         what = "the PRNG's seed range" if key in seeds else "a 32-bit integer, as programs hold it"
@@ -486,6 +510,10 @@ def validate(cfg: Config) -> Config:
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1", t.checkpoint_every)
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)
+    _check(t.population >= 1, "train.population", "must be >= 1", t.population)
+    _check(t.seed + t.population - 1 <= SEED_RANGE[1], "train.population",
+           f"members take seeds train.seed + i, which must stay <= {SEED_RANGE[1]}",
+           t.population)
     _check(cfg.eval.random_policies >= 1, "eval.random_policies", "must be >= 1",
            cfg.eval.random_policies)
     for key, value in (("train.num_episodes", t.num_episodes), ("train.batch_size", t.batch_size),
@@ -493,7 +521,125 @@ def validate(cfg: Config) -> Config:
         _check(value % t.shards == 0, key, f"must be a multiple of train.shards ({t.shards})", value)
     if features != d.features:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, features=features))
+    population_members(cfg)  # every member's hyperparameters parse and pass these checks
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Populations: one dict of hyperparameters per member
+
+
+def _key_type(key: str) -> type:
+    section, name = key.split(".")
+    return typing.get_type_hints(type(getattr(Config(), section)))[name]
+
+
+def _population_key(entry: str, where: str) -> tuple[str, str]:
+    if "=" not in entry:
+        raise ConfigError(f"config key '{where}' entry {entry!r} must look like KEY=VALUES")
+    key, values = (part.strip() for part in entry.split("=", 1))
+    if key not in POPULATION_KEYS:
+        raise ConfigError(f"config key '{where}' names {key!r}, which a population cannot vary "
+                          f"(supported: {', '.join(POPULATION_KEYS)})")
+    if not values:
+        raise ConfigError(f"config key '{where}' gives no values for {key}")
+    return key, values
+
+
+def _number(text: str, tp: type, where: str, key: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    return _coerce(value, tp, f"{where} ({key})")
+
+
+def population_grid(cfg: Config) -> list[dict]:
+    """The cells of ``population.grid`` in order (the last key varying fastest): ``[{}]``
+    without a grid."""
+    cells: list[dict] = [{}]
+    seen = set()
+    for entry in cfg.population.grid:
+        key, values = _population_key(entry, "population.grid")
+        if key in seen:
+            raise ConfigError(f"config key 'population.grid' names {key} twice")
+        seen.add(key)
+        parsed = [_number(v.strip(), _key_type(key), "population.grid", key)
+                  for v in values.split(",") if v.strip()]
+        if not parsed:
+            raise ConfigError(f"config key 'population.grid' gives no values for {key}")
+        cells = [dict(cell, **{key: v}) for cell in cells for v in parsed]
+    return cells
+
+
+def population_draws(cfg: Config) -> dict[str, list]:
+    """``{key: [value of member 0, 1, ...]}`` of ``population.random``: entry ``j`` draws its
+    ``P`` values from ``numpy.random.default_rng([population.seed, j])``."""
+    p, draws = cfg.train.population, {}
+    for j, entry in enumerate(cfg.population.random):
+        key, spec = _population_key(entry, "population.random")
+        if key in draws:
+            raise ConfigError(f"config key 'population.random' names {key} twice")
+        scale = "linear"
+        if ":" in spec:
+            spec, scale = (part.strip() for part in spec.rsplit(":", 1))
+        if scale not in ("linear", "log") or ".." not in spec:
+            raise ConfigError(f"config key 'population.random' entry {entry!r} must look like "
+                              f"KEY=LOW..HIGH or KEY=LOW..HIGH:log")
+        tp = _key_type(key)
+        low, high = (_number(v.strip(), tp, "population.random", key) for v in spec.split("..", 1))
+        if not low <= high or (scale == "log" and low <= 0):
+            raise ConfigError(f"config key 'population.random' needs LOW <= HIGH (and LOW > 0 "
+                              f"for :log) for {key}, got {spec!r}")
+        rng = np.random.default_rng([cfg.population.seed, j])
+        if tp is int:
+            draws[key] = [int(v) for v in rng.integers(low, high, size=p, endpoint=True)]
+        elif scale == "log":
+            draws[key] = [float(v) for v in np.exp(rng.uniform(np.log(low), np.log(high), p))]
+        else:
+            draws[key] = [float(v) for v in rng.uniform(low, high, p)]
+    return draws
+
+
+def population_members(cfg: Config) -> list[dict]:
+    """One ``{key: value}`` dict a member (``train.population`` of them): member ``i`` takes
+    grid cell ``i mod G`` and its own ``population.random`` draws; its seed is
+    ``train.seed + i``. Every member's config (:func:`member_config`) is validated here, so a
+    value out of range raises ConfigError naming the member."""
+    p = cfg.train.population
+    if p == 1 and not cfg.population.grid and not cfg.population.random:
+        return [{}]  # a single agent: its config is this one
+    cells, draws = population_grid(cfg), population_draws(cfg)
+    both = sorted(set(cells[0]) & set(draws))
+    if both:
+        raise ConfigError(f"config keys 'population.grid' and 'population.random' both vary "
+                          f"{', '.join(both)}")
+    if p % len(cells):
+        raise ConfigError(f"config key 'train.population' must be a multiple of the "
+                          f"{len(cells)} cells of population.grid, got {p}")
+    members = [dict(cells[i % len(cells)], **{k: v[i] for k, v in draws.items()})
+               for i in range(p)]
+    for i, hparams in enumerate(members):
+        try:
+            member_config(cfg, hparams, i)
+        except ConfigError as e:
+            raise ConfigError(f"population member {i} ({_hparams_text(hparams)}): {e}") from None
+    return members
+
+
+def _hparams_text(hparams: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in hparams.items()) or "no hyperparameters"
+
+
+def member_config(cfg: Config, hparams: dict, index: int) -> Config:
+    """The single-agent config of population member ``index``: ``hparams`` set, seed
+    ``train.seed + index``, ``train.population`` 1 and no grid or draws; validated."""
+    sections: dict = {"train": {"seed": cfg.train.seed + index, "population": 1},
+                      "population": {"grid": [], "random": []}}
+    for key, value in hparams.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return validate(_build(Config, _merge(to_dict(cfg), sections)))
 
 
 def dump_yaml(cfg: Config) -> str:
@@ -582,7 +728,9 @@ def _flatten(mapping: dict, prefix: str = "") -> dict:
 
 __all__ = [
     "Config", "DataConfig", "SyntheticConfig", "EnvConfig", "NetworkConfig", "ReplayConfig",
-    "CuriosityConfig", "TrainConfig", "EvalConfig", "load_config", "from_dict", "replace",
+    "CuriosityConfig", "TrainConfig", "EvalConfig", "PopulationConfig", "POPULATION_KEYS",
+    "population_members", "member_config", "population_grid", "population_draws", "load_config",
+    "from_dict", "replace",
     "validate", "to_dict", "dump_yaml", "parse_override", "read_yaml", "resolve_config_path",
     "setting", "KeyInfo", "keys", "show_yaml", "yaml_line", "differences",
 ]

@@ -138,16 +138,18 @@ def prediction_error(state: RNDState, obs: jax.Array) -> jax.Array:
                    axis=-1)
 
 
-def scale_bonus(state: RNDState, raw: jax.Array) -> jax.Array:
+def scale_bonus(state: RNDState, raw: jax.Array, coef=None) -> jax.Array:
     """``coef * raw / std`` with the running std (1 before any statistics). ``[N] -> [N]``.
 
+    ``coef``: default ``state.cfg.coef``; a traced ``[]`` array is a population member's own.
     Exactly zero when ``coef == 0``.
     """
     raw = jnp.asarray(raw, jnp.float32)
-    if state.cfg.coef == 0:
+    coef = state.cfg.coef if coef is None else coef
+    if not isinstance(coef, jax.Array) and coef == 0:
         return jnp.zeros_like(raw)
     std = jnp.where(state.count > 0, jnp.sqrt(state.var + _VAR_EPS), 1.0)
-    return jnp.float32(state.cfg.coef) * raw / std
+    return jnp.asarray(coef, jnp.float32) * raw / std
 
 
 def intrinsic_reward(state: RNDState, next_obs: jax.Array) -> jax.Array:

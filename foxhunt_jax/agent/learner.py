@@ -90,13 +90,19 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
     an unresolved config's placeholder range is used as it is."""
     net = make_network(cfg.network, branch_sizes)
     t = cfg.train
-    # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
-    # launches far fewer kernels
-    optimizer = optax.flatten(optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                                          optax.adam(t.learning_rate, eps=t.adam_eps)))
-    return Learner(net, optimizer, cfg.network, t, cfg.replay,
+    return Learner(net, make_optimizer(t), cfg.network, t, cfg.replay,
                    curiosity.resolve_precision(cfg.curiosity, cfg.network.dtype),
                    replay_search)
+
+
+def make_optimizer(train_cfg: TrainConfig, learning_rate=None) -> optax.GradientTransformation:
+    """Global-norm clipping then Adam at ``learning_rate`` (default ``train.learning_rate``; a
+    traced ``[]`` array in a population program). Its state does not depend on the rate."""
+    rate = train_cfg.learning_rate if learning_rate is None else learning_rate
+    # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
+    # launches far fewer kernels
+    return optax.flatten(optax.chain(optax.clip_by_global_norm(train_cfg.max_grad_norm),
+                                     optax.adam(rate, eps=train_cfg.adam_eps)))
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:

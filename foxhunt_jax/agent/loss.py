@@ -16,6 +16,9 @@ import jax.numpy as jnp
 from foxhunt_jax.agent.network import greedy_actions, select_action, taken_logits
 from foxhunt_jax.errors import ConfigError
 
+# the largest train.n_step the config allows: the loop bound of a traced n
+MAX_N_STEP = 5
+
 # a shifted atom counts as clipped beyond this fraction of the atom spacing past an edge, so that
 # a value on the edge (a constant reward's fixed point) is not counted by float rounding
 EDGE_TOLERANCE = 1e-3
@@ -187,8 +190,10 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
       rewards: ``[L, N]`` reward of step t.
       terminated: ``[L, N]`` bool, step t ended its episode by termination (no bootstrap).
       truncated: ``[L, N]`` bool, step t ended its episode by truncation (bootstrap).
-      gamma: discount factor.
-      n: the largest number of steps summed (>= 1).
+      gamma: discount factor (a float, or a traced ``[]`` array).
+      n: the largest number of steps summed (>= 1): a Python integer (it sets the unrolled
+        loop), or a traced int32 ``[]`` array in ``1..MAX_N_STEP`` (the loop runs
+        ``MAX_N_STEP`` steps, those past ``n`` masked out; the same results).
 
     Returns:
       ``(returns [L, N], discounts [L, N], offsets [L, N] int32)``. For step t, ``k`` is the
@@ -197,6 +202,9 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
       ``discounts = 0`` when step ``t+k-1`` terminated, else ``gamma^k``; ``offsets = k``:
       the bootstrap observation is the next observation of step ``t + k - 1``.
     """
+    traced_n = None
+    if isinstance(n, jax.Array):  # a population member's n: the loop runs to the largest n
+        traced_n, n = n, MAX_N_STEP
     try:  # a Python or NumPy integer; n sets the unrolled loop, so it is static
         n_int = None if isinstance(n, bool) else operator.index(n)
     except TypeError:
@@ -223,6 +231,8 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array, truncated: jax.Arr
     ended_terminal = jnp.zeros(rewards.shape, bool)
     alive = jnp.ones(rewards.shape, bool)  # step t+i belongs to the k-step window of t
     for i in range(n):
+        if traced_n is not None:  # steps past the member's own n leave the window
+            alive = alive & (i < traced_n)
         ret = ret + jnp.where(alive, (gamma ** i) * ahead(rewards, i, 0), 0).astype(rewards.dtype)
         k = k + alive.astype(jnp.int32)
         ended_terminal = ended_terminal | (alive & ahead(terminated, i, False))

@@ -14,7 +14,9 @@ backends (``xla``, ``pallas``) and precisions (``float32``, ``bfloat16``) side b
 - ``collect`` (:mod:`.collect`): collection throughput in env-steps/s by episode count;
 - ``train`` (:mod:`.train`): learner steps/s at the seed batch and samples/s at a big batch;
 - ``replay`` (:mod:`.replay`): add/sample/update beside flashbax;
-- ``cmdbuf`` (:mod:`.cmdbuf`, GPU only): what the library's while-loop command buffers buy.
+- ``cmdbuf`` (:mod:`.cmdbuf`, GPU only): what the library's while-loop command buffers buy;
+- ``population`` (:mod:`.population`): the seed workload as populations of P agents in one
+  program: epoch time, agent-epochs/s and memory a member.
 
 :mod:`.runner` runs them and writes the JSON after every section (``--json``); :mod:`.report`
 holds the tables, the roofline and ``--merge`` (:func:`foxhunt_jax.bench.report.merge`), which

@@ -9,7 +9,7 @@ import argparse
 
 # in this order: the seed section compiles first, in this process
 SECTIONS = ("seed", "compile", "device", "forward", "collect", "train", "replay", "policy",
-            "cmdbuf")
+            "cmdbuf", "population")
 DEFAULT_VARIANTS = "xla:float32,xla:bfloat16,pallas:bfloat16"
 
 
@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=parse_variants("xla:float32,pallas:bfloat16"),
                    help="variants of the command-buffer section (default xla:float32,"
                         "pallas:bfloat16)")
+    p.add_argument("--population-sizes", type=parse_ints, default=None,
+                   help="members P of the population section (default 1,8,64; add 256 where "
+                        "memory allows; quick 1,2)")
     p.add_argument("--time-budget", type=float, default=3600.0,
                    help="seconds; work that would start later is skipped and listed "
                         "(default 3600)")

@@ -93,6 +93,19 @@ def tables(res: dict) -> str:
             lines.append(f"| {vname(r['backend'], r['dtype'])} | {cell('experience')} | "
                          f"{cell('training')} ({r['train_step_ms']:.3f}) | {cell('validation')} | "
                          f"{cell('total')} | {r['compile_ms'] / 1e3:.2f} |")
+    pop = res.get("population", {})
+    if pop.get("rows"):
+        lines += ["", f"Populations ({pop['config']}, {pop['variant']}, one program a phase; "
+                      f"median of {pop['epochs']} epochs after {pop['warmup']} warm-up)",
+                  "| P | epoch ms | x P=1 | agent-epochs/s | MiB a member |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for r in pop["rows"]:
+            if "epoch_ms" not in r:
+                lines.append(f"| {r['population']} | error: {r.get('error', '')[:80]} ||||")
+                continue
+            lines.append(f"| {r['population']} | {r['epoch_ms']['median']:.2f} | "
+                         f"{_f(r.get('time_vs_single'))} | {_f(r['agent_epochs_per_s'], '{:.1f}')}"
+                         f" | {r['state_bytes_per_member'] / 2**20:.2f} |")
     comp = res.get("compile", {})
     if comp.get("cold", {}).get("rows"):
         lines += ["", "Whole-epoch compile (the phase programs; a fourth pairs Validation and the"

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 
 from foxhunt_jax.bench import (child, cmdbuf, collect, compilation, device, forward, policy,
-                               replay, seed, train)
+                               population, replay, seed, train)
 from foxhunt_jax.bench.common import Deadline, git_commit, parse_kernel_configs, variant_cfg
 from foxhunt_jax.bench.options import DEFAULT_VARIANTS, SECTIONS, add_arguments, parse_variants
 from foxhunt_jax.bench.report import roofline, run_merge, tables, wrote_line
@@ -58,6 +58,8 @@ def apply_defaults(args) -> None:
     if args.experience_n is None:
         # --quick: the seed section's experience rows are that phase at the same N already
         args.experience_n = () if q else (16384,)
+    if args.population_sizes is None:
+        args.population_sizes = (1, 2) if q else (1, 8, 64)
     if args.big_batch is None:
         args.big_batch = 128 if q else 4096
     if isinstance(args.kernel_configs, str):
@@ -123,6 +125,8 @@ def run_section(name: str, args, out: dict, deadline: Deadline, market, res: dic
         policy.section_policy(args, out, deadline)
     elif name == "cmdbuf":
         cmdbuf.section_cmdbuf(args, out, deadline)
+    elif name == "population":
+        population.section_population(args, out, deadline, market)
 
 
 def run_sections(args, argv) -> dict:

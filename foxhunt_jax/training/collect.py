@@ -333,7 +333,7 @@ def _collect(learner: Learner, backend: Backend, adapter: EnvAdapter, env_params
     raw = bonus = jnp.zeros_like(extrinsic)
     if agent.rnd is not None:  # novelty of each next observation, scaled by stats before this call
         raw = trajectory_novelty(backend, adapter, env_params, agent.rnd, traj["next_obs"])
-        bonus = curiosity.scale_bonus(agent.rnd, raw)
+        bonus = curiosity.scale_bonus(agent.rnd, raw, learner.curiosity_cfg.coef)
     t = learner.train_cfg
     returns, discounts, offsets = n_step_targets(extrinsic + bonus, traj["terminated"],
                                                  traj["truncated"], t.gamma, t.n_step)

@@ -185,7 +185,13 @@ class Trainer:
 
     def _record(self, results: EpochResults, phase_ms: dict) -> dict:
         """The epoch's metrics record from its results, read to the host in one transfer."""
-        learned, collected = results.training_metrics, results.experience_stats
+        return self.epoch_record(results.experience_stats, results.training_metrics,
+                                 results.validation_paths, results.validation_loss, phase_ms)
+
+    def epoch_record(self, collected: dict, learned: dict, validation_paths: dict,
+                     validation_loss, phase_ms: dict) -> dict:
+        """An epoch's metrics record from its host results: the Experience stats, Training
+        metrics, Validation paths ``[L, W]`` and loss (one population member's, too)."""
         epoch, cfg = int(learned["epoch"]), self.cfg
         return {
             "epoch": epoch,
@@ -201,8 +207,8 @@ class Trainer:
             "beta": float(learned["beta"]),
             "reward": float(collected["reward"]),
             "bonus": float(collected["bonus"]),
-            "val_loss": float(results.validation_loss),
-            "val": self._metrics(validate.equity_paths(results.validation_paths)),
+            "val_loss": float(validation_loss),
+            "val": self._metrics(validate.equity_paths(validation_paths)),
             "val_buy_and_hold": self._validation_buy_and_hold_metrics(),
         }
 

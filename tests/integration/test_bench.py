@@ -324,6 +324,12 @@ def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
     for r in saved["seed"]["rows"]:
         assert r["phases"]["total"]["n"] == 2 and r["compile_ms"] > 0
         assert f"| {common.vname(r['backend'], r['dtype'])} | " in printed
+    # population: P = 1 (the single-agent trainer) and P = 2 (one program), each in the table
+    pop = saved["population"]["rows"]
+    assert [r["population"] for r in pop] == [1, 2]
+    for r in pop:
+        assert r["epoch_ms"]["n"] == 2 and r["agent_epochs_per_s"] > 0
+        assert r["state_bytes_per_member"] > 0 and f"| {r['population']} | " in printed
     # compile: the first variant cold, then from each cache
     for step in ("cold", "cached_xla_only", "cached"):
         [r] = saved["compile"][step]["rows"]
