@@ -11,6 +11,7 @@ settings as they are) and print one line naming every file they wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -578,6 +579,17 @@ class PopulationResult:
     history: list[dict]  # every member's epoch records (each with ``member`` and ``seed``)
     members: list[dict]  # one dict a member: what population.json holds
     selections: list[Selection]
+    # each member's selected agent's test walk (Trainer.evaluate_split); empty without the
+    # final report
+    test_evaluations: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def chosen(self) -> int:
+        """The member chosen by its full validation walk's Sharpe, the first on ties (the rule
+        of :func:`~foxhunt_jax.research.population.chosen_member`); no test figure takes
+        part."""
+        sharpes = [m["validation"]["agent"]["sharpe"] for m in self.members]
+        return int(np.argmax(np.nan_to_num(np.asarray(sharpes, np.float64), nan=-np.inf)))
 
 
 def member_selected_dir(out: Path, index: int) -> Path:
@@ -689,24 +701,26 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
                 f"improved for {patience} epochs (train.patience)")
     members: list[dict] = []
     written: list[Path] = []
+    tests: list[dict] = []
     if final_report:
-        members = _population_report(pop, state, out, selections, selected_params,
-                                     window_returns, log)
+        members, tests = _population_report(pop, state, out, selections, selected_params,
+                                            window_returns, log)
         if out is not None and jax.process_index() == 0:
             written = [out / POPULATION_FILE] + _write_population_report(
                 members, out, pop.trainer.market.bars_per_year, log)
     if out is not None:
         log(wrote_line(out, written, tensorboard=False))
     return PopulationResult(state=state, trainer=pop, history=history, members=members,
-                            selections=selections)
+                            selections=selections, test_evaluations=tests)
 
 
 def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | None,
                        selections: list[Selection], selected_params: list,
-                       window_returns: list, log) -> list[dict]:
+                       window_returns: list, log) -> tuple[list[dict], list[dict]]:
     """Full validation and test walks of every member's selected agent (one member at a time on
-    the host); writes ``population.json``: one dict a member (docs/population.md)."""
-    members = []
+    the host); writes ``population.json``: one dict a member (docs/population.md). Returns
+    those dicts and each member's test walk."""
+    members, tests = [], []
     for i in range(pop.size):
         agent = parallel.to_host(jax.tree.map(lambda x: x[i], state.agent))
         if selected_params[i] is not None:
@@ -719,6 +733,7 @@ def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | 
         trainer = pop.member_trainer(i)
         walks = {split: trainer.evaluate_split(agent, split) for split in ("validation", "test")}
         test = walks["test"]
+        tests.append(test)
         members.append({
             "member": i, "seed": pop.seed(i), "hparams": dict(pop.members[i]),
             "select_metric": selections[i].metric, "selected_epoch": selections[i].epoch,
@@ -743,7 +758,7 @@ def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | 
         except OSError as e:
             raise FoxhuntError(f"cannot write {e.filename or path} "
                                f"({(e.strerror or str(e)).lower()})") from None
-    return members
+    return members, tests
 
 
 def _write_population_report(members: list[dict], out: Path, bars_per_year: float,

@@ -511,6 +511,9 @@ def validate(cfg: Config) -> Config:
     _check(t.log_every >= 1, "train.log_every", "must be >= 1", t.log_every)
     _check(t.shards >= 1, "train.shards", "must be >= 1", t.shards)
     _check(t.population >= 1, "train.population", "must be >= 1", t.population)
+    _check(t.population == 1 or e.name == "trading", "train.population",
+           f"must be 1 for a gymnax env (populations train the trading env; env.name {e.name})",
+           t.population)
     _check(t.seed + t.population - 1 <= SEED_RANGE[1], "train.population",
            f"members take seeds train.seed + i, which must stay <= {SEED_RANGE[1]}",
            t.population)

@@ -10,7 +10,9 @@ times being its validation window. Each fold is an ordinary run folder ``DIR/fol
 by :func:`foxhunt_jax.api.train` with ``data.window = [start, test_end]`` (no later bar is
 loaded at all) and ``data.split_dates = [validation_start, test_start]``, so its
 normalization statistics come from its own training rows and its selection from its own
-validation window.
+validation window. With ``train.population`` P > 1 each fold trains P members in one program
+and carries forward the member whose full validation walk has the best Sharpe (no test figure
+takes part); the deflated Sharpe then counts every epoch of every member of every fold.
 """
 
 from __future__ import annotations
@@ -171,8 +173,7 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
             f"before {_day(fold.test_end)} -> {run}")
         result = api.train(fold.config(cfg), run, resume=again, progress=False,
                            log=lambda line, k=fold.index: log(f"  [fold {k}] {line}"))
-        evaluation = result.trainer.evaluate_split(result.selected_agent, "test")
-        results.append((fold, result, evaluation))
+        results.append((fold, FoldResult.of(result)))
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,
                          window=cfg.data.window)
     report = stitched_report(results, market.bars_per_year, cfg.env.time_barrier,
@@ -188,6 +189,39 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
     log(f"walk-forward written to {path} and {out / 'walkforward.png'} (folds in "
         f"{out}/fold_1 .. fold_{len(plan)})")
     return report
+
+
+@dataclass(frozen=True)
+class FoldResult:
+    """What the stitched report reads of one fold's training: the agent it carries forward
+    (the population member chosen on validation, or the run's selected agent), that agent's
+    test walk and every validation candidate the fold's choice saw."""
+
+    evaluation: dict  # Trainer.evaluate_split of the carried agent on the fold's test block
+    selected_epoch: int
+    epochs: int
+    select_metric: str
+    select_value: float
+    member: int | None  # the chosen member of a population; None for a single agent
+    population: int
+    # per-bar validation Sharpe of every epoch of every member: the trials a choice saw
+    trial_sharpes: np.ndarray
+
+    @classmethod
+    def of(cls, result) -> "FoldResult":
+        """From :func:`foxhunt_jax.api.train`'s result (a TrainResult or PopulationResult)."""
+        trials = np.asarray([rec["val"]["sharpe"] for rec in result.history], np.float64)
+        if isinstance(result, api.PopulationResult):
+            per_bar = math.sqrt(result.trainer.trainer.market.bars_per_year)
+            k = result.chosen
+            selection = result.selections[k]
+            return cls(result.test_evaluations[k], selection.epoch, int(result.state.epoch[0]),
+                       selection.metric, selection.value, k, len(result.members),
+                       trials / per_bar)
+        per_bar = math.sqrt(result.trainer.market.bars_per_year)
+        evaluation = result.trainer.evaluate_split(result.selected_agent, "test")
+        return cls(evaluation, result.selection.epoch, int(result.state.epoch),
+                   result.selection.metric, result.selection.value, None, 1, trials / per_bar)
 
 
 def _day(t) -> str:
@@ -237,8 +271,8 @@ def curve_metrics(curve: np.ndarray, log_returns: np.ndarray, bars_per_year: flo
 
 def stitched_report(results: list, bars_per_year: float, holding_bars: int,
                     draws: int = 2000) -> dict:
-    """The walk-forward's JSON content from ``(fold, TrainResult, test evaluation)`` triples."""
-    s = stitch([ev for _, _, ev in results])
+    """The walk-forward's JSON content from ``(fold, FoldResult)`` pairs."""
+    s = stitch([r.evaluation for _, r in results])
     a = bars_per_year
     metrics = {n: curve_metrics(s["curves"][n], s["returns"][n], a) for n in s["curves"]}
     samples = [curve_metrics(c, r, a) for c, r in zip(s["random"], s["random_returns"])]
@@ -247,19 +281,18 @@ def stitched_report(results: list, bars_per_year: float, holding_bars: int,
     block = max(int(holding_bars), math.ceil(agent_returns.size ** (1 / 3)))
     ci = block_bootstrap_ci(agent_returns, lambda r: sharpe_ratio(r, a).annualized, block=block,
                             draws=draws, seed=0)
-    # the candidates selection chose among: every epoch of every fold, by validation Sharpe
-    # (per bar), centred on its fold's mean so that V is the spread a selection saw, not the
-    # difference between the folds' validation periods
-    per_fold = [np.asarray([rec["val"]["sharpe"] for rec in r.history], np.float64)
-                / math.sqrt(r.trainer.market.bars_per_year) for _, r, _ in results]
-    trials = np.concatenate([v - v.mean() for v in per_fold])
+    # the candidates selection chose among: every epoch of every member of every fold, by
+    # validation Sharpe (per bar), centred on its fold's mean so that V is the spread a
+    # selection saw, not the difference between the folds' validation periods
+    trials = np.concatenate([r.trial_sharpes - r.trial_sharpes.mean() for _, r in results])
     dsr = (deflated_sharpe_ratio(agent_returns, trials) if trials.size >= 2 else None)
     rows = []
-    for fold, result, ev in results:
-        m = ev["metrics"]
-        rows.append({**fold.to_json(), "selected_epoch": result.selection.epoch,
-                     "epochs": int(result.state.epoch),
-                     f"validation_{result.selection.metric}": result.selection.value,
+    for fold, result in results:
+        m = result.evaluation["metrics"]
+        rows.append({**fold.to_json(), "selected_epoch": result.selected_epoch,
+                     "epochs": result.epochs, "population": result.population,
+                     "member": result.member,
+                     f"validation_{result.select_metric}": result.select_value,
                      "test": {k: m["agent"][k] for k in ("sharpe", "total_return",
                                                         "max_drawdown", "bars")},
                      "test_buy_and_hold": {k: m["buy_and_hold"][k]
@@ -287,17 +320,24 @@ def stitched_report(results: list, bars_per_year: float, holding_bars: int,
     }
 
 
+def _member_text(row: dict) -> str:
+    """``k/P`` for a population's chosen member, ``-`` for a single agent."""
+    member = row.get("member")
+    return "-" if member is None else f"{member}/{row.get('population', 1)}"
+
+
 def summary_table(report: dict) -> str:
     """The per-fold table and the out-of-sample lines, as text."""
     head = (f"{'fold':>4}  {'data from':<10}  {'validation':<10}  {'test from':<10}  "
-            f"{'test to':<10}  {'epoch':>5}  {'sharpe':>7}  {'return':>8}  {'B&H sh':>7}  "
-            f"{'pct':>5}")
-    lines = ["walk-forward: selected agent of each fold on its test block", head,
+            f"{'test to':<10}  {'member':>6}  {'epoch':>5}  {'sharpe':>7}  {'return':>8}  "
+            f"{'B&H sh':>7}  {'pct':>5}")
+    lines = ["walk-forward: selected agent of each fold on its test block (a population's: the "
+             "member with the best validation Sharpe)", head,
              "-" * len(head)]
     for r in report["per_fold"]:
         lines.append(f"{r['fold']:>4}  {r['start'][:10]:<10}  {r['validation_start'][:10]:<10}  "
                      f"{r['test_start'][:10]:<10}  {r['test_end'][:10]:<10}  "
-                     f"{r['selected_epoch']:>5}  {r['test']['sharpe']:>+7.2f}  "
+                     f"{_member_text(r):>6}  {r['selected_epoch']:>5}  {r['test']['sharpe']:>+7.2f}  "
                      f"{r['test']['total_return']:>+8.2%}  "
                      f"{r['test_buy_and_hold']['sharpe']:>+7.2f}  "
                      f"{r['agent_percentile_sharpe']:>5.1f}")
@@ -312,7 +352,7 @@ def summary_table(report: dict) -> str:
                  f"{o['agent_percentile_sharpe']:.1f}%")
     if dsr is not None:
         lines.append(f"deflated Sharpe: {dsr['probability']:.3f} (N = {dsr['n_trials']} "
-                     f"candidate epochs over all folds; expected best of N by luck "
+                     f"candidate epochs of every member over all folds; expected best of N by luck "
                      f"{dsr['expected_max_sharpe_annualized']:+.2f} annualized)")
     return "\n".join(lines)
 

@@ -287,7 +287,8 @@ def _override(key, length, good, bad):
 
 
 FLOAT_KEYS = list(_keys_of(float))
-INT_KEYS = [(k, n) for k, n in _keys_of(int) if k not in ("train.seed", "data.synthetic.seed")]
+SEED_KEYS = ("train.seed", "data.synthetic.seed", "population.seed")  # their own range
+INT_KEYS = [(k, n) for k, n in _keys_of(int) if k not in SEED_KEYS]
 
 
 @pytest.mark.parametrize("key, length", FLOAT_KEYS, ids=[k for k, _ in FLOAT_KEYS])
@@ -322,7 +323,7 @@ def test_number_too_large_for_a_float():
         load_config(None, ["train.learning_rate=" + "9" * 400])
 
 
-@pytest.mark.parametrize("key", ["train.seed", "data.synthetic.seed"])
+@pytest.mark.parametrize("key", list(SEED_KEYS))
 @pytest.mark.parametrize("seed", [-1, 2**32, 10**23])
 def test_seed_outside_the_prng_range(key, seed):
     with pytest.raises(ConfigError, match=rf"'{key}' must be an integer in 0..4294967295"):

@@ -175,3 +175,20 @@ def test_data_window_keeps_exactly_its_bars(market_csv):
         load_config("smoke", ["data.window=['2013-01-01', '2012-01-01']"])
     with pytest.raises(DataError, match="data.window"):  # 63 bars: the warm-up alone
         load_market([str(path)], window=[str(stamps[0]), str(stamps[63])])
+
+
+def test_a_population_runs_inside_each_fold(market_csv, tmp_path):
+    """With train.population P each fold trains P members and carries forward the one with the
+    best full-validation Sharpe; the deflated Sharpe counts every epoch of every member."""
+    _, _, path = market_csv
+    cfg = load_config("smoke", TINY + [f"data.source=['{path}']", "train.epochs=1",
+                                       "train.population=2"])
+    report = walkforward(cfg, 2, "sliding", tmp_path / "wf", **OPTIONS)
+    for row in report["per_fold"]:
+        members = json.loads((tmp_path / "wf" / f"fold_{row['fold']}" / "population.json")
+                             .read_text())["members"]
+        sharpes = [m["validation"]["agent"]["sharpe"] for m in members]
+        assert row["population"] == 2 and row["member"] == int(np.argmax(sharpes))
+        assert row["test"]["sharpe"] == pytest.approx(
+            members[row["member"]]["test"]["agent"]["sharpe"])
+    assert report["out_of_sample"]["deflated_sharpe"]["n_trials"] == 2 * 2 * 1
