@@ -38,6 +38,16 @@ are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
 
 With ``validation_experience`` the queued Experience is part of the Validation program: the
 Validation time then includes the next epoch's Experience, whose own time reads about 0.
+
+**Overlap** (``train.overlap``, :attr:`Pipeline.overlaps`). An epoch is two programs:
+``overlapped`` (:func:`~foxhunt_jax.training.phases.overlapped`: this epoch's Training beside the
+next epoch's collection) and ``validation``; ``training`` is not compiled and
+``validation_experience`` is not used. A state at epoch 0 (fresh) first runs the
+``experience`` program once, epoch 1's collection; every later state is overlapped: its replay
+and episodes already hold the next epoch's collection, and so does a checkpoint of it, so a
+resume continues without that first collection. Queueing ahead queues the next ``overlapped``
+program behind this epoch's Validation, the same rules as above. Timing: ``experience`` is that
+first collection (0 on every other epoch), ``training`` the whole ``overlapped`` program.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from foxhunt_jax.training.collect import EnvAdapter
 from foxhunt_jax.training.phases import TrainerState
 
 PAIRED_PROGRAM = "validation_experience"
+OVERLAPPED_PROGRAM = "overlapped"
 
 
 def state_shardings(state: TrainerState, mesh) -> TrainerState:
@@ -78,9 +89,10 @@ def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
     """Whether queued epochs run Validation and the next Experience as one program: the setting
     ``train.pair_rollouts`` is on, both rollouts are kernels
     (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`), and the phases run on one device
-    (Validation runs on the mesh's first device, Experience on the whole mesh). Two rollout
+    (Validation runs on the mesh's first device, Experience on the whole mesh), and
+    ``train.overlap`` is off (its Experience is part of Training's program). Two rollout
     kernels run at once on a GPU; two ``lax.scan`` rollouts do not (docs/training.md)."""
-    return (cfg.train.pair_rollouts
+    return (cfg.train.pair_rollouts and not cfg.train.overlap
             and backend.runs_rollout_kernel(cfg.train.num_episodes)
             and backend.runs_rollout_kernel(cfg.train.validation_windows)
             and (mesh is None or mesh.size == 1))
@@ -91,11 +103,14 @@ def program_key_config(cfg: Config, name: str) -> Config:
 
     The training program leaves ``network.backend`` out: the update always runs the Flax layers,
     so both backends lower it to the same program (a test compares them) and a run of either
-    backend loads the one the other compiled. ``train.pair_rollouts`` only decides whether the
-    ``validation_experience`` program exists, so the other programs' keys leave it out.
+    backend loads the one the other compiled. ``train.pair_rollouts`` and ``train.overlap``
+    only decide whether the ``validation_experience`` and ``overlapped`` programs exist, so the
+    other programs' keys leave them out.
     """
     if name != PAIRED_PROGRAM:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
+    if name != OVERLAPPED_PROGRAM:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, overlap=False))
     if name != "training":
         return cfg
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
@@ -136,10 +151,10 @@ class ProgramInputs:
     schedule: jax.Array  # [6] float32 schedule_values, replicated on the mesh
 
 
-def with_params_copy(state: TrainerState, metrics: dict) -> tuple[TrainerState, dict, Any]:
-    """Training's outputs and a copy of the network parameters it leaves, in new buffers that
-    the next epoch's donation of ``state`` does not take."""
-    return state, metrics, jax.tree.map(jnp.copy, state.agent.params)
+def with_params_copy(state: TrainerState, *outputs) -> tuple:
+    """A phase's outputs (the state first) and a copy of the network parameters it leaves, in
+    new buffers that the next epoch's donation of ``state`` does not take."""
+    return (state, *outputs, jax.tree.map(jnp.copy, state.agent.params))
 
 
 class Queued(NamedTuple):
@@ -187,15 +202,21 @@ class Pipeline:
         self.ahead: Ahead | None = None
 
     @property
+    def overlaps(self) -> bool:
+        """Whether an epoch runs the ``overlapped`` program (``train.overlap``; module
+        docstring)."""
+        return self.cfg.train.overlap
+
+    @property
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run the ``validation_experience`` program
         (:func:`pairs_rollouts`)."""
         return pairs_rollouts(self.backend, self.cfg, self.mesh)
 
     def jitted_programs(self, state: TrainerState, queued: bool = False) -> dict:
-        """``{name: (jitted, example_args)}`` of experience, training and validation; with
-        ``queued`` (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
-        ``validation_experience``."""
+        """``{name: (jitted, example_args)}`` of experience, training and validation (with
+        :attr:`overlaps`: overlapped in place of training); with ``queued`` (epochs run with
+        ``queue_next``) and :attr:`pairs_rollouts` also ``validation_experience``."""
         learner, backend, cfg, mesh = self.learner, self.backend, self.cfg, self.mesh
         inputs = self.inputs
         placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
@@ -216,6 +237,14 @@ class Pipeline:
         programs = {"experience": (experience, train_args),
                     "training": (training, train_args),
                     "validation": (validation, validation_args + (self._local_agent(state),))}
+        if self.overlaps:
+            del programs["training"]
+            overlapped = jit(lambda p, s, e: with_params_copy(*phases.overlapped(
+                                 learner, backend, cfg, p, s, e, mesh, adapter)),
+                             donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                             out_shardings=(placed, replicated, replicated, replicated),
+                             training=True)
+            programs[OVERLAPPED_PROGRAM] = (overlapped, train_args)
         if queued and self.pairs_rollouts:
             paired = jit(lambda v, w, p, s, e: phases.validation_experience(
                              learner, backend, cfg, v, w, p, s, e),
@@ -275,7 +304,7 @@ class Pipeline:
             start, experience, training = ahead.since, ahead.experience, ahead.training
         else:
             start = time.perf_counter()
-            state, experience, training = self._queue_experience_and_training(state)
+            state, experience, training = self._queue_epoch(state)
 
         inputs, next_epoch = self.inputs, None
         if queue_next and PAIRED_PROGRAM in self.programs:
@@ -290,7 +319,7 @@ class Pipeline:
                 inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
             validation = Queued((paths, loss), ready_clock((paths, loss)))
             if queue_next:  # donates `state`, which Validation above was queued to read first
-                next_epoch = self._queue_experience_and_training(state)
+                next_epoch = self._queue_epoch(state, fresh=False)
 
         experience_end = max(experience.ready(), start)
         training_end = max(training.ready(), experience_end)
@@ -305,11 +334,27 @@ class Pipeline:
         results = EpochResults(experience.results, metrics, paths, loss, validated_params)
         return state, results, phase_ms
 
-    def _queue_experience_and_training(self, state: TrainerState
-                                       ) -> tuple[TrainerState, Queued, Queued]:
-        state, stats = self.programs["experience"](self.inputs.train_env_params, state,
-                                                   self.inputs.schedule)
-        return self._queue_training(state, stats)
+    def _queue_epoch(self, state: TrainerState, fresh: bool | None = None
+                     ) -> tuple[TrainerState, Queued, Queued]:
+        """Queues an epoch's programs before Validation: Experience and Training, or with
+        :attr:`overlaps` the ``overlapped`` program, behind the first collection where ``state``
+        is fresh (``fresh``: known by the caller; None reads ``state.epoch == 0``, which waits
+        for the state)."""
+        inputs = self.inputs
+        if not self.overlaps:
+            state, stats = self.programs["experience"](inputs.train_env_params, state,
+                                                       inputs.schedule)
+            return self._queue_training(state, stats)
+        first_collection = lambda: 0.0  # noqa: E731 - no first collection: Experience takes 0 ms
+        if fresh if fresh is not None else int(state.epoch) == 0:
+            state, first_stats = self.programs["experience"](inputs.train_env_params, state,
+                                                             inputs.schedule)
+            first_collection = ready_clock(first_stats)
+        state, stats, metrics, params = self.programs[OVERLAPPED_PROGRAM](
+            inputs.train_env_params, state, inputs.schedule)
+        # the program's end: both of its chains, the learner's and the collection's
+        return (state, Queued(stats, first_collection),
+                Queued((metrics, params), ready_clock((metrics, stats))))
 
     def _queue_training(self, state: TrainerState, experience_stats: dict
                         ) -> tuple[TrainerState, Queued, Queued]:
