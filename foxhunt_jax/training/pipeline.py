@@ -345,15 +345,16 @@ class Pipeline:
             state, stats = self.programs["experience"](inputs.train_env_params, state,
                                                        inputs.schedule)
             return self._queue_training(state, stats)
-        first_collection = lambda: 0.0  # noqa: E731 - no first collection: Experience takes 0 ms
-        if fresh if fresh is not None else int(state.epoch) == 0:
+        first_collection = None
+        if int(state.epoch) == 0 if fresh is None else fresh:
             state, first_stats = self.programs["experience"](inputs.train_env_params, state,
                                                              inputs.schedule)
             first_collection = ready_clock(first_stats)
         state, stats, metrics, params = self.programs[OVERLAPPED_PROGRAM](
             inputs.train_env_params, state, inputs.schedule)
-        # the program's end: both of its chains, the learner's and the collection's
-        return (state, Queued(stats, first_collection),
+        # Experience's clock: the first collection's end, else none (it then takes 0 ms);
+        # Training's: the program's end, both of its chains, the learner's and the collection's
+        return (state, Queued(stats, first_collection or (lambda: 0.0)),
                 Queued((metrics, params), ready_clock((metrics, stats))))
 
     def _queue_training(self, state: TrainerState, experience_stats: dict
