@@ -39,15 +39,17 @@ are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
 With ``validation_experience`` the queued Experience is part of the Validation program: the
 Validation time then includes the next epoch's Experience, whose own time reads about 0.
 
-**Overlap** (``train.overlap``, :attr:`Pipeline.overlaps`). An epoch is two programs:
+**Overlap** (``train.overlap``, :attr:`Pipeline.overlaps`). An epoch is one program,
 ``overlapped`` (:func:`~foxhunt_jax.training.phases.overlapped`: this epoch's Training beside the
-next epoch's collection) and ``validation``; ``training`` is not compiled and
-``validation_experience`` is not used. A state at epoch 0 (fresh) first runs the
-``experience`` program once, epoch 1's collection; every later state is overlapped: its replay
-and episodes already hold the next epoch's collection, and so does a checkpoint of it, so a
-resume continues without that first collection. Queueing ahead queues the next ``overlapped``
-program behind this epoch's Validation, the same rules as above. Timing: ``experience`` is that
-first collection (0 on every other epoch), ``training`` the whole ``overlapped`` program.
+next epoch's collection, then this epoch's Validation of the trained agent), where the phases
+run on one device; on a mesh of several devices Validation stays its own program (it runs on
+the first device). ``training`` is not compiled and ``validation_experience`` is not used. A
+state at epoch 0 (fresh) first runs the ``experience`` program once, epoch 1's collection;
+every later state is overlapped: its replay and episodes already hold the next epoch's
+collection, and so does a checkpoint of it, so a resume continues without that first
+collection. Queueing ahead queues the next epoch's program right behind this one's, the same
+rules as above. Timing: ``experience`` is that first collection (0 on every other epoch),
+``training`` the ``overlapped`` program, ``validation`` about 0 when it is part of that program.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class Ahead:
     state: TrainerState  # the state after them
     experience: Queued  # their stats
     training: Queued  # its metrics and the copy of the parameters it left
+    validation: Queued | None  # its paths and loss where Validation is part of the program
     since: float  # when this epoch's Validation was seen complete: the next epoch's start
 
 
@@ -208,6 +211,12 @@ class Pipeline:
         return self.cfg.train.overlap
 
     @property
+    def validates_in_overlap(self) -> bool:
+        """Whether the ``overlapped`` program also runs Validation: :attr:`overlaps` and the
+        phases run on one device (module docstring)."""
+        return self.overlaps and (self.mesh is None or self.mesh.size == 1)
+
+    @property
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run the ``validation_experience`` program
         (:func:`pairs_rollouts`)."""
@@ -237,7 +246,20 @@ class Pipeline:
         programs = {"experience": (experience, train_args),
                     "training": (training, train_args),
                     "validation": (validation, validation_args + (self._local_agent(state),))}
-        if self.overlaps:
+        if self.validates_in_overlap:
+            del programs["training"], programs["validation"]
+
+            def epoch(v, w, p, s, e):
+                state, stats, metrics = phases.overlapped(learner, backend, cfg, p, s, e, mesh,
+                                                          adapter)
+                paths, loss = validate(learner, backend, cfg, v, w, state.agent)
+                return with_params_copy(state, stats, metrics, paths, loss)
+
+            overlapped = jit(epoch, donate_argnums=3,
+                             in_shardings=(replicated,) * 3 + (placed, replicated),
+                             out_shardings=(placed,) + (replicated,) * 5, training=True)
+            programs[OVERLAPPED_PROGRAM] = (overlapped, validation_args + train_args)
+        elif self.overlaps:
             del programs["training"]
             overlapped = jit(lambda p, s, e: with_params_copy(*phases.overlapped(
                                  learner, backend, cfg, p, s, e, mesh, adapter)),
@@ -301,19 +323,23 @@ class Pipeline:
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.state is state:
-            start, experience, training = ahead.since, ahead.experience, ahead.training
+            start, experience, training, validation = (ahead.since, ahead.experience,
+                                                       ahead.training, ahead.validation)
         else:
             start = time.perf_counter()
-            state, experience, training = self._queue_epoch(state)
+            state, experience, training, validation = self._queue_epoch(state)
 
         inputs, next_epoch = self.inputs, None
-        if queue_next and PAIRED_PROGRAM in self.programs:
+        if validation is not None:  # part of this epoch's program
+            if queue_next:
+                next_epoch = self._queue_epoch(state, fresh=False)
+        elif queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
             paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
                 inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
                 state, inputs.schedule)
             validation = Queued((paths, loss), ready_clock((paths, loss)))
-            next_epoch = self._queue_training(state, next_stats)
+            next_epoch = self._queue_training(state, next_stats) + (None,)
         else:
             paths, loss = self.programs["validation"](
                 inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
@@ -331,31 +357,40 @@ class Pipeline:
                     "training": (training_end - experience_end) * 1e3,
                     "validation": (validation_end - training_end) * 1e3}
         metrics, validated_params = training.results
+        paths, loss = validation.results
         results = EpochResults(experience.results, metrics, paths, loss, validated_params)
         return state, results, phase_ms
 
     def _queue_epoch(self, state: TrainerState, fresh: bool | None = None
-                     ) -> tuple[TrainerState, Queued, Queued]:
+                     ) -> tuple[TrainerState, Queued, Queued, Queued | None]:
         """Queues an epoch's programs before Validation: Experience and Training, or with
         :attr:`overlaps` the ``overlapped`` program, behind the first collection where ``state``
         is fresh (``fresh``: known by the caller; None reads ``state.epoch == 0``, which waits
-        for the state)."""
+        for the state). The last item: Validation's results where the program holds it
+        (:attr:`validates_in_overlap`), else None."""
         inputs = self.inputs
         if not self.overlaps:
             state, stats = self.programs["experience"](inputs.train_env_params, state,
                                                        inputs.schedule)
-            return self._queue_training(state, stats)
+            return self._queue_training(state, stats) + (None,)
         first_collection = None
         if int(state.epoch) == 0 if fresh is None else fresh:
             state, first_stats = self.programs["experience"](inputs.train_env_params, state,
                                                              inputs.schedule)
             first_collection = ready_clock(first_stats)
-        state, stats, metrics, params = self.programs[OVERLAPPED_PROGRAM](
-            inputs.train_env_params, state, inputs.schedule)
+        validation = None
+        if self.validates_in_overlap:
+            state, stats, metrics, paths, loss, params = self.programs[OVERLAPPED_PROGRAM](
+                inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
+                state, inputs.schedule)
+            validation = Queued((paths, loss), ready_clock((paths, loss)))
+        else:
+            state, stats, metrics, params = self.programs[OVERLAPPED_PROGRAM](
+                inputs.train_env_params, state, inputs.schedule)
         # Experience's clock: the first collection's end, else none (it then takes 0 ms);
         # Training's: the program's end, both of its chains, the learner's and the collection's
         return (state, Queued(stats, first_collection or (lambda: 0.0)),
-                Queued((metrics, params), ready_clock((metrics, stats))))
+                Queued((metrics, params), ready_clock((metrics, stats))), validation)
 
     def _queue_training(self, state: TrainerState, experience_stats: dict
                         ) -> tuple[TrainerState, Queued, Queued]:

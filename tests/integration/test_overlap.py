@@ -7,7 +7,7 @@ import pytest
 from foxhunt_jax import api
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
-from foxhunt_jax.training import checkpoint, phases
+from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
 
 TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
@@ -44,13 +44,25 @@ def run(trainer, epochs, queue):
 
 def test_overlap_is_deterministic_queued_or_not(trainer):
     (s0, r0), (s1, r1) = run(trainer, 3, queue=False), run(trainer, 3, queue=True)
-    assert sorted(trainer.pipeline.programs) == ["experience", "overlapped", "validation"]
+    # on one device an epoch is one program (after the first collection)
+    assert sorted(trainer.pipeline.programs) == ["experience", "overlapped"]
     assert without_timing(r0) == without_timing(r1)
     assert [r["epoch"] for r in r1] == [1, 2, 3] and int(s1.epoch) == 3
     assert_trees_equal(s0, s1)
     # Experience times the first collection only; the overlapped program is Training's time
     assert r1[0]["phase_ms"]["experience"] > 0
     assert all(r["phase_ms"]["experience"] == 0 for r in r1[1:])
+
+
+def test_overlap_with_validation_its_own_program_gives_the_same_epochs(trainer, monkeypatch):
+    """On a mesh of several devices Validation stays its own program; forced here on one."""
+    s0, r0 = run(trainer, 2, queue=True)
+    monkeypatch.setattr(pipeline.Pipeline, "validates_in_overlap", property(lambda self: False))
+    apart = Trainer.build(tiny())
+    s1, r1 = run(apart, 2, queue=True)
+    assert sorted(apart.pipeline.programs) == ["experience", "overlapped", "validation"]
+    assert without_timing(r0) == without_timing(r1)
+    assert_trees_equal(s0, s1)
 
 
 def test_overlap_equals_the_phases_in_the_documented_order(trainer):
