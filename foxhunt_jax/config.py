@@ -184,6 +184,9 @@ class TrainConfig:
     pair_rollouts: bool = setting(True, "with network.backend=pallas on one device, queued "
                                         "epochs run Validation and the next Experience as one "
                                         "program")
+    # foxhunt_jax.training.phases.overlapped; the staleness is in docs/training.md ("Overlap")
+    overlap: bool = setting(False, "each epoch's Training runs beside the next epoch's "
+                                   "collection, which acts with the agent one epoch stale")
     # P > 1: foxhunt_jax.training.population (docs/population.md)
     population: int = setting(1, "P: agents trained in one program; member i has seed "
                                  "train.seed + i (docs/population.md)")
@@ -514,6 +517,9 @@ def validate(cfg: Config) -> Config:
     _check(t.population == 1 or e.name == "trading", "train.population",
            f"must be 1 for a gymnax env (populations train the trading env; env.name {e.name})",
            t.population)
+    _check(not t.overlap or t.population == 1, "train.overlap",
+           f"must be false with train.population {t.population} (a population runs its own "
+           "programs)", t.overlap)
     _check(t.seed + t.population - 1 <= SEED_RANGE[1], "train.population",
            f"members take seeds train.seed + i, which must stay <= {SEED_RANGE[1]}",
            t.population)

@@ -2,7 +2,9 @@
 
 One epoch is :func:`experience` -> :func:`training` -> :func:`validation`;
 :func:`validation_experience` is one epoch's Validation and the next epoch's Experience in one
-function, with the same results as the two called one after the other. Each function is jitted
+function, with the same results as the two called one after the other. With ``train.overlap``
+an epoch is :func:`overlapped` -> :func:`validation` instead: Training beside the next epoch's
+collection, which acts with the agent from before that Training. Each function is jitted
 as one program by :mod:`foxhunt_jax.training.pipeline`, which queues, pairs and times them;
 nothing here waits, times or touches the host. The phases take the env's
 :class:`~foxhunt_jax.training.collect.EnvAdapter` (default: the trading env's,
@@ -212,3 +214,33 @@ def validation_experience(learner: Learner, backend: Backend, cfg: Config, valid
     paths, loss = validation(learner, backend, cfg, validation_env_params, window_starts,
                              state.agent)
     return (paths, loss) + experience(learner, backend, cfg, train_env_params, state, schedule)
+
+
+def overlapped(learner: Learner, backend: Backend, cfg: Config, train_env_params,
+               state: TrainerState, schedule: jax.Array, mesh=None,
+               adapter: EnvAdapter = TRADING_ADAPTER) -> tuple[TrainerState, dict, dict]:
+    """Epoch ``e``'s :func:`training` and epoch ``e+1``'s :func:`experience` as one function
+    (``train.overlap``): ``(state, stats, metrics)``.
+
+    ``state``: an overlapped state of ``epoch = e - 1``, whose replay already holds epoch
+    ``e``'s collection (docs/training.md, "Overlap"). In order:
+
+    1. :func:`training` of ``state``: Training(e), the epoch counter moves to ``e``;
+    2. :func:`experience` of that state with ``state.agent`` in place of the trained agent: epoch
+       ``e+1``'s collection acts with the parameters from before Training(e) (one epoch
+       stale), with epoch ``e+1``'s epsilon, and its transitions are added to replay after
+       Training(e)'s priority updates;
+    3. the trained agent, with the curiosity statistics the collection updated (Training
+       changes the RND predictor and its optimizer, collection only the running statistics).
+
+    The learner's steps and the rollout share no data until the add, so a device may run them
+    at once; the results are fixed by the order above.
+    """
+    trained, metrics = training(learner, cfg, train_env_params, state, schedule, adapter)
+    collected, stats = experience(learner, backend, cfg, train_env_params,
+                                  trained.replace(agent=state.agent), schedule, mesh, adapter)
+    agent = trained.agent
+    if agent.rnd is not None:
+        agent = agent.replace(rnd=collected.agent.rnd.replace(
+            predictor_params=agent.rnd.predictor_params, opt_state=agent.rnd.opt_state))
+    return collected.replace(agent=agent), stats, metrics

@@ -38,6 +38,18 @@ are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
 
 With ``validation_experience`` the queued Experience is part of the Validation program: the
 Validation time then includes the next epoch's Experience, whose own time reads about 0.
+
+**Overlap** (``train.overlap``, :attr:`Pipeline.overlaps`). An epoch is one program,
+``overlapped`` (:func:`~foxhunt_jax.training.phases.overlapped`: this epoch's Training beside the
+next epoch's collection, then this epoch's Validation of the trained agent), where the phases
+run on one device; on a mesh of several devices Validation stays its own program (it runs on
+the first device). ``training`` is not compiled and ``validation_experience`` is not used. A
+state at epoch 0 (fresh) first runs the ``experience`` program once, epoch 1's collection;
+every later state is overlapped: its replay and episodes already hold the next epoch's
+collection, and so does a checkpoint of it, so a resume continues without that first
+collection. Queueing ahead queues the next epoch's program right behind this one's, the same
+rules as above. Timing: ``experience`` is that first collection (0 on every other epoch),
+``training`` the ``overlapped`` program, ``validation`` about 0 when it is part of that program.
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ from foxhunt_jax.training.collect import EnvAdapter
 from foxhunt_jax.training.phases import TrainerState
 
 PAIRED_PROGRAM = "validation_experience"
+OVERLAPPED_PROGRAM = "overlapped"
 
 
 def state_shardings(state: TrainerState, mesh) -> TrainerState:
@@ -78,9 +91,10 @@ def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
     """Whether queued epochs run Validation and the next Experience as one program: the setting
     ``train.pair_rollouts`` is on, both rollouts are kernels
     (:meth:`~foxhunt_jax.backend.Backend.runs_rollout_kernel`), and the phases run on one device
-    (Validation runs on the mesh's first device, Experience on the whole mesh). Two rollout
+    (Validation runs on the mesh's first device, Experience on the whole mesh), and
+    ``train.overlap`` is off (its Experience is part of Training's program). Two rollout
     kernels run at once on a GPU; two ``lax.scan`` rollouts do not (docs/training.md)."""
-    return (cfg.train.pair_rollouts
+    return (cfg.train.pair_rollouts and not cfg.train.overlap
             and backend.runs_rollout_kernel(cfg.train.num_episodes)
             and backend.runs_rollout_kernel(cfg.train.validation_windows)
             and (mesh is None or mesh.size == 1))
@@ -91,11 +105,14 @@ def program_key_config(cfg: Config, name: str) -> Config:
 
     The training program leaves ``network.backend`` out: the update always runs the Flax layers,
     so both backends lower it to the same program (a test compares them) and a run of either
-    backend loads the one the other compiled. ``train.pair_rollouts`` only decides whether the
-    ``validation_experience`` program exists, so the other programs' keys leave it out.
+    backend loads the one the other compiled. ``train.pair_rollouts`` and ``train.overlap``
+    only decide whether the ``validation_experience`` and ``overlapped`` programs exist, so the
+    other programs' keys leave them out.
     """
     if name != PAIRED_PROGRAM:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
+    if name != OVERLAPPED_PROGRAM:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, overlap=False))
     if name != "training":
         return cfg
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, backend="any"))
@@ -136,10 +153,10 @@ class ProgramInputs:
     schedule: jax.Array  # [6] float32 schedule_values, replicated on the mesh
 
 
-def with_params_copy(state: TrainerState, metrics: dict) -> tuple[TrainerState, dict, Any]:
-    """Training's outputs and a copy of the network parameters it leaves, in new buffers that
-    the next epoch's donation of ``state`` does not take."""
-    return state, metrics, jax.tree.map(jnp.copy, state.agent.params)
+def with_params_copy(state: TrainerState, *outputs) -> tuple:
+    """A phase's outputs (the state first) and a copy of the network parameters it leaves, in
+    new buffers that the next epoch's donation of ``state`` does not take."""
+    return (state, *outputs, jax.tree.map(jnp.copy, state.agent.params))
 
 
 class Queued(NamedTuple):
@@ -157,6 +174,7 @@ class Ahead:
     state: TrainerState  # the state after them
     experience: Queued  # their stats
     training: Queued  # its metrics and the copy of the parameters it left
+    validation: Queued | None  # its paths and loss where Validation is part of the program
     since: float  # when this epoch's Validation was seen complete: the next epoch's start
 
 
@@ -187,15 +205,27 @@ class Pipeline:
         self.ahead: Ahead | None = None
 
     @property
+    def overlaps(self) -> bool:
+        """Whether an epoch runs the ``overlapped`` program (``train.overlap``; module
+        docstring)."""
+        return self.cfg.train.overlap
+
+    @property
+    def validates_in_overlap(self) -> bool:
+        """Whether the ``overlapped`` program also runs Validation: :attr:`overlaps` and the
+        phases run on one device (module docstring)."""
+        return self.overlaps and (self.mesh is None or self.mesh.size == 1)
+
+    @property
     def pairs_rollouts(self) -> bool:
         """Whether queued epochs run the ``validation_experience`` program
         (:func:`pairs_rollouts`)."""
         return pairs_rollouts(self.backend, self.cfg, self.mesh)
 
     def jitted_programs(self, state: TrainerState, queued: bool = False) -> dict:
-        """``{name: (jitted, example_args)}`` of experience, training and validation; with
-        ``queued`` (epochs run with ``queue_next``) and :attr:`pairs_rollouts` also
-        ``validation_experience``."""
+        """``{name: (jitted, example_args)}`` of experience, training and validation (with
+        :attr:`overlaps`: overlapped in place of training); with ``queued`` (epochs run with
+        ``queue_next``) and :attr:`pairs_rollouts` also ``validation_experience``."""
         learner, backend, cfg, mesh = self.learner, self.backend, self.cfg, self.mesh
         inputs = self.inputs
         placed, replicated = state_shardings(state, mesh), parallel.replicated(mesh)
@@ -216,6 +246,27 @@ class Pipeline:
         programs = {"experience": (experience, train_args),
                     "training": (training, train_args),
                     "validation": (validation, validation_args + (self._local_agent(state),))}
+        if self.validates_in_overlap:
+            del programs["training"], programs["validation"]
+
+            def epoch(v, w, p, s, e):
+                state, stats, metrics = phases.overlapped(learner, backend, cfg, p, s, e, mesh,
+                                                          adapter)
+                paths, loss = validate(learner, backend, cfg, v, w, state.agent)
+                return with_params_copy(state, stats, metrics, paths, loss)
+
+            overlapped = jit(epoch, donate_argnums=3,
+                             in_shardings=(replicated,) * 3 + (placed, replicated),
+                             out_shardings=(placed,) + (replicated,) * 5, training=True)
+            programs[OVERLAPPED_PROGRAM] = (overlapped, validation_args + train_args)
+        elif self.overlaps:
+            del programs["training"]
+            overlapped = jit(lambda p, s, e: with_params_copy(*phases.overlapped(
+                                 learner, backend, cfg, p, s, e, mesh, adapter)),
+                             donate_argnums=1, in_shardings=(replicated, placed, replicated),
+                             out_shardings=(placed, replicated, replicated, replicated),
+                             training=True)
+            programs[OVERLAPPED_PROGRAM] = (overlapped, train_args)
         if queued and self.pairs_rollouts:
             paired = jit(lambda v, w, p, s, e: phases.validation_experience(
                              learner, backend, cfg, v, w, p, s, e),
@@ -272,25 +323,29 @@ class Pipeline:
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.state is state:
-            start, experience, training = ahead.since, ahead.experience, ahead.training
+            start, experience, training, validation = (ahead.since, ahead.experience,
+                                                       ahead.training, ahead.validation)
         else:
             start = time.perf_counter()
-            state, experience, training = self._queue_experience_and_training(state)
+            state, experience, training, validation = self._queue_epoch(state)
 
         inputs, next_epoch = self.inputs, None
-        if queue_next and PAIRED_PROGRAM in self.programs:
+        if validation is not None:  # part of this epoch's program
+            if queue_next:
+                next_epoch = self._queue_epoch(state, fresh=False)
+        elif queue_next and PAIRED_PROGRAM in self.programs:
             # the next epoch's Experience completes with this Validation
             paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
                 inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
                 state, inputs.schedule)
             validation = Queued((paths, loss), ready_clock((paths, loss)))
-            next_epoch = self._queue_training(state, next_stats)
+            next_epoch = self._queue_training(state, next_stats) + (None,)
         else:
             paths, loss = self.programs["validation"](
                 inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
             validation = Queued((paths, loss), ready_clock((paths, loss)))
             if queue_next:  # donates `state`, which Validation above was queued to read first
-                next_epoch = self._queue_experience_and_training(state)
+                next_epoch = self._queue_epoch(state, fresh=False)
 
         experience_end = max(experience.ready(), start)
         training_end = max(training.ready(), experience_end)
@@ -302,14 +357,40 @@ class Pipeline:
                     "training": (training_end - experience_end) * 1e3,
                     "validation": (validation_end - training_end) * 1e3}
         metrics, validated_params = training.results
+        paths, loss = validation.results
         results = EpochResults(experience.results, metrics, paths, loss, validated_params)
         return state, results, phase_ms
 
-    def _queue_experience_and_training(self, state: TrainerState
-                                       ) -> tuple[TrainerState, Queued, Queued]:
-        state, stats = self.programs["experience"](self.inputs.train_env_params, state,
-                                                   self.inputs.schedule)
-        return self._queue_training(state, stats)
+    def _queue_epoch(self, state: TrainerState, fresh: bool | None = None
+                     ) -> tuple[TrainerState, Queued, Queued, Queued | None]:
+        """Queues an epoch's programs before Validation: Experience and Training, or with
+        :attr:`overlaps` the ``overlapped`` program, behind the first collection where ``state``
+        is fresh (``fresh``: known by the caller; None reads ``state.epoch == 0``, which waits
+        for the state). The last item: Validation's results where the program holds it
+        (:attr:`validates_in_overlap`), else None."""
+        inputs = self.inputs
+        if not self.overlaps:
+            state, stats = self.programs["experience"](inputs.train_env_params, state,
+                                                       inputs.schedule)
+            return self._queue_training(state, stats) + (None,)
+        first_collection = None
+        if int(state.epoch) == 0 if fresh is None else fresh:
+            state, first_stats = self.programs["experience"](inputs.train_env_params, state,
+                                                             inputs.schedule)
+            first_collection = ready_clock(first_stats)
+        validation = None
+        if self.validates_in_overlap:
+            state, stats, metrics, paths, loss, params = self.programs[OVERLAPPED_PROGRAM](
+                inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
+                state, inputs.schedule)
+            validation = Queued((paths, loss), ready_clock((paths, loss)))
+        else:
+            state, stats, metrics, params = self.programs[OVERLAPPED_PROGRAM](
+                inputs.train_env_params, state, inputs.schedule)
+        # Experience's clock: the first collection's end, else none (it then takes 0 ms);
+        # Training's: the program's end, both of its chains, the learner's and the collection's
+        return (state, Queued(stats, first_collection or (lambda: 0.0)),
+                Queued((metrics, params), ready_clock((metrics, stats))), validation)
 
     def _queue_training(self, state: TrainerState, experience_stats: dict
                         ) -> tuple[TrainerState, Queued, Queued]:

@@ -1,8 +1,9 @@
 """The trainer: builds everything one config needs, then runs epochs and evaluations.
 
-One epoch is Experience -> Training (K learner steps) -> Validation, each one jitted program:
-the phases are pure functions in :mod:`~foxhunt_jax.training.phases`; compiling, queueing,
-pairing and timing them is :mod:`~foxhunt_jax.training.pipeline`, whose docstring says when a
+One epoch is Experience -> Training (K learner steps) -> Validation, each one jitted program
+(with ``train.overlap``: Training beside the next epoch's Experience, then Validation): the
+phases are pure functions in :mod:`~foxhunt_jax.training.phases`; compiling, queueing, pairing
+and timing them is :mod:`~foxhunt_jax.training.pipeline`, whose docstring says when a
 returned state is ahead of its epoch and must not be checkpointed. Init (data, tables, device
 upload, initial state) and Compile (the phase programs) are reported on the first epoch a
 process runs.
