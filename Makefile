@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/foxhunt-jax train --config configs/default.yaml --out runs/default $(ARGS)
 
-# worksteal: an idle worker takes queued tests from the busy one, so the long tests do not pile
-# up at the end of one worker (2026-11-30, this repository's 2-core CPU machine, one clone, back
-# to back: `pytest -q -n 2 --dist worksteal` 9:13 min, xdist's default 9:37)
+# loadfile: a test file runs in one worker, so its tests share that process's compiled programs
+# and module fixtures (2-core CPU, warm compile cache, back to back: loadfile 5:33 min,
+# worksteal 6:48)
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
