@@ -707,7 +707,7 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
                                             window_returns, log)
         if out is not None and jax.process_index() == 0:
             written = [out / POPULATION_FILE] + _write_population_report(
-                members, out, pop.trainer.market.bars_per_year, log)
+                members, out / "report", pop.trainer.market.bars_per_year, log)
     if out is not None:
         log(wrote_line(out, written, tensorboard=False))
     return PopulationResult(state=state, trainer=pop, history=history, members=members,

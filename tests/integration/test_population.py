@@ -106,6 +106,13 @@ def test_population_json_holds_every_member(tmp_path):
     assert first["val_buy_and_hold"]["total_return"] > second["val_buy_and_hold"]["total_return"]
     with pytest.raises(ConfigError, match="population.json"):  # not one agent to evaluate
         api.evaluate(tmp_path / "run", compile_cache=False)
+    # the population report of the same members, in the run's report folder
+    report = json.loads((tmp_path / "run" / "report" / "population_report.json").read_text())
+    assert [row["member"] for row in report["members"]] == [0, 1]
+    sharpes = [m["validation"]["agent"]["sharpe"] for m in saved]
+    assert report["chosen"]["member"] == int(np.argmax(sharpes)) == res.chosen
+    assert all((tmp_path / "run" / "report" / name).stat().st_size > 0
+               for name in report["files"])
 
 
 @pytest.mark.parametrize("override, named", [
