@@ -88,9 +88,10 @@ def make_task(name: str) -> GymnaxTask:
     try:
         import gymnax  # optional dependency (the `gymnax` extra)
         from gymnax.environments import spaces
-    except ImportError:
+    except ImportError as e:
         raise ConfigError(f"config key 'env.name' {name!r} is a gymnax environment and needs the "
-                          "optional gymnax package: pip install 'foxhunt-jax[gymnax]'") from None
+                          "optional gymnax package: pip install 'foxhunt-jax[gymnax]' (import "
+                          f"failed: {e})") from None
     known = list(gymnax.registered_envs)
     if name not in known:
         raise ConfigError(f"config key 'env.name' must be {TRADING} or a gymnax id such as "
