@@ -34,6 +34,7 @@ from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_
 from foxhunt_jax.env.gymnax_task import TRADING, make_task
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.jitcache import enable_compilation_cache
+from foxhunt_jax.policy.policy import restore_params, run_member_config
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.research.population import chosen_lines, population_report
 from foxhunt_jax.training import checkpoint, report, validate
@@ -441,8 +442,9 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
                           "serve trading runs (its report/summary.json holds the final greedy "
                           "episodes' return)")
     if cfg.train.population > 1:
-        raise ConfigError(f"{run} holds a population of {cfg.train.population} agents: its "
-                          f"members' evaluations are in {run}/population.json")
+        raise ConfigError(f"{run} holds a population of {cfg.train.population} agents: "
+                          f"evaluate, act and export take one with --member K (its members' "
+                          f"evaluations are in {run}/population.json)")
     if data:
         cfg = replace(cfg, data={"source": list(data)})
     if checkpoint.latest_step(run / "checkpoints") is None:
@@ -484,7 +486,9 @@ def run_agent(run_dir: str | Path, state: TrainerState, agent: str = "selected"
 
 def agent_text(info: dict) -> str:
     """:func:`run_agent`'s description in words, e.g. ``selected agent (epoch 4, validation
-    sharpe +1.23)``."""
+    sharpe +1.23)``; a population member's names the member."""
+    if info.get("member") is not None:
+        return f"member {info['member']}'s {info['text']}"
     if info["agent"] == "selected":
         value = info.get("select_value")
         shown = "n/a" if value is None else f"{value:+.4g}"
@@ -494,12 +498,15 @@ def agent_text(info: dict) -> str:
 
 
 def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
-                    run_data: list[str], agent: str = "selected") -> Path:
+                    run_data: list[str], agent: str = "selected",
+                    member: int | None = None) -> Path:
     """Where :func:`evaluate` writes: ``report/evaluate_<split>.json`` on the run's own data,
     ``report/evaluate_<split>_<names>-<digest>.json`` on other data (``names``: the sources'
     file or builtin names; ``digest``: 8 hex digits of SHA-256 of the source list), so an
-    evaluation on other data never replaces the run's own; ``agent="last"`` adds ``_last``."""
-    name = f"evaluate_{split}" + ("_last" if agent == "last" else "")
+    evaluation on other data never replaces the run's own; ``agent="last"`` adds ``_last``,
+    a population's ``member`` ``_member<K>``."""
+    name = (f"evaluate_{split}" + ("" if member is None else f"_member{member}")
+            + ("_last" if agent == "last" else ""))
     if data and list(data) != list(run_data):
         stems = [Path(d.split(":", 1)[-1].split("?", 1)[0]).stem for d in data]
         names = re.sub(r"[^A-Za-z0-9._-]+", "_", "+".join(stems))[:40].strip("._") or "data"
@@ -508,9 +515,26 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
     return Path(run_dir) / "report" / f"{name}.json"
 
 
+def _member_agent(run_dir: str | Path, data: list[str] | None, agent: str, member: int | None
+                  ) -> tuple[Trainer, AgentState, dict]:
+    """A population member's trainer (its own config, :func:`~foxhunt_jax.policy.policy.
+    run_member_config`) and agent (:func:`~foxhunt_jax.policy.policy.restore_params`), with
+    :func:`run_agent`'s description."""
+    run = Path(run_dir)
+    run_cfg = from_dict(read_yaml(run / "config.yaml"))
+    cfg = run_member_config(run, run_cfg, member)
+    if data:
+        cfg = replace(cfg, data={"source": list(data)})
+    trainer = Trainer.build(cfg, devices=parallel.fitting_devices(cfg.train.shards))
+    params, epoch, which, note = restore_params(run, run_cfg, trainer.learner, agent, _warn,
+                                                member)
+    host = parallel.to_host(trainer.init_state().agent).replace(params=params)
+    return trainer, host, {"agent": which, "epoch": epoch, "member": member, "text": note}
+
+
 def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = None,
              log: Callable[[str], None] | None = None, agent: str = "selected",
-             compile_cache: bool = True) -> dict:
+             compile_cache: bool = True, member: int | None = None) -> dict:
     """Greedy full-split evaluation of a trained run against buy-and-hold, flat and the random
     policies.
 
@@ -522,7 +546,9 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     (:func:`foxhunt_jax.training.metrics.trade_log`); names them in a line and returns its
     ``metrics``: the layout of :func:`~foxhunt_jax.training.metrics.evaluation_results`
     (portfolio metrics by policy, ``random`` percentiles, ``agent_percentile``,
-    ``per_instrument``). ``compile_cache``: :func:`use_compile_cache`.
+    ``per_instrument``). ``compile_cache``: :func:`use_compile_cache`. ``member``: of a
+    population run (required there), member K's agent under its own config, written to
+    ``report/evaluate_<split>_member<K>.*``.
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
@@ -531,15 +557,20 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     log = log or print
     use_compile_cache(compile_cache)
     t0 = time.perf_counter()
-    trainer, state = load_run(run_dir, data)
+    population = from_dict(read_yaml(Path(run_dir) / "config.yaml")).train.population > 1 \
+        if (Path(run_dir) / "config.yaml").is_file() else False
+    if population or member is not None:
+        trainer, policy, info = _member_agent(run_dir, data, agent, member)
+    else:
+        trainer, state = load_run(run_dir, data)
+        policy, info = run_agent(run_dir, state, agent)
     log(f"walking the {split} split greedily (agent, baselines) ...")
-    policy, info = run_agent(run_dir, state, agent)
     res = trainer.evaluate_split(policy, split)
     metrics = res["metrics"]
     log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
                                               f"portfolio), {agent_text(info)}"))
     run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
-    path = evaluation_path(run_dir, split, data, run_data, agent)
+    path = evaluation_path(run_dir, split, data, run_data, agent, member)
     params, starts, lengths = validate.evaluation_params(trainer.tables, trainer.cfg.env, split)
     trades = walk_trades(params, starts, lengths, res["paths"]["agent"]["action"],
                          trainer.tables, trainer.cfg)

@@ -313,13 +313,20 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
                    help="selected: the epoch chosen on validation (train.select_by); last: the "
                         "last checkpoint (written to report/evaluate_<split>_last.*) "
                         "(default: selected)")
+    _member_option(p)
+
+
+def _member_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--member", metavar="K", type=int, default=None,
+                   help="of a population run (train.population > 1): member K's agent, under "
+                        "its own seed and hyperparameters (required there; default: none)")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from foxhunt_jax import api
 
-    api.evaluate(args.run, split=args.split, data=args.data,
-                 agent=args.agent)  # turns the compile cache on
+    api.evaluate(args.run, split=args.split, data=args.data, agent=args.agent,
+                 member=args.member)  # turns the compile cache on
     return 0
 
 
@@ -336,6 +343,7 @@ def _args_act(p: argparse.ArgumentParser) -> None:
                    help="selected: the agent of the epoch chosen on validation "
                         "(train.select_by; a run from before selection gives its last agent and "
                         "the output says so); last: the latest checkpoint")
+    _member_option(p)
     g = p.add_argument_group("portfolio held into the decision bar's close (default flat)")
     g.add_argument("--position", metavar="P", type=float, default=0.0,
                    help="the exposure held, one of the run's env.exposures")
@@ -363,7 +371,7 @@ def cmd_act(args: argparse.Namespace) -> int:
                         take_profit=args.take_profit_price, stop_loss=args.stop_loss_price,
                         bars_held=args.bars_held, equity=args.equity)
     records, note = act(args.run, data=args.data, at=args.at, agent=args.agent,
-                        position=position)
+                        position=position, member=args.member)
     held = ("flat" if position.exposure == 0 else f"exposure {position.exposure:+g}")
     last = max(r["data_last_timestamp"] for r in records)
     headers, rows = table(records)
@@ -384,13 +392,14 @@ def _args_export(p: argparse.ArgumentParser) -> None:
                    help="the export folder to write (required; must not exist or be empty)")
     p.add_argument("--agent", choices=("selected", "last"), default="selected",
                    help="as for act")
+    _member_option(p)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from foxhunt_jax.policy import Policy
     from foxhunt_jax.policy.export import export_policy
 
-    policy = Policy.load(args.run, agent=args.agent)
+    policy = Policy.load(args.run, agent=args.agent, member=args.member)
     out = export_policy(policy, args.out)
     print(f"exported the agent of {args.run} ({policy.agent_note}) to {out}; "
           f"{out / 'load_policy.py'} loads it with jax and numpy only")

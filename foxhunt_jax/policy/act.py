@@ -28,13 +28,16 @@ def _load_bars(sources, cfg):
 
 
 def act(path: str | Path, data=None, at=None, agent: str = "selected",
-        position: Position = Position()) -> tuple[list[dict], str]:
+        position: Position = Position(), member: int | None = None) -> tuple[list[dict], str]:
     """The decision records of every instrument (:func:`~foxhunt_jax.policy.policy.describe`)
-    and a line naming the agent used. ``data``: sources (default: the run's own data)."""
+    and a line naming the agent used. ``data``: sources (default: the run's own data).
+    ``member``: of a population run, which member decides (:meth:`Policy.load`)."""
     path = Path(path)
     if (path / "policy.json").is_file():
+        if member is not None:
+            raise ConfigError(f"--member {member}: {path} is an exported policy (one agent)")
         return _act_export(path, data, at, position)
-    policy = Policy.load(path, agent=agent)
+    policy = Policy.load(path, agent=agent, member=member)
     bars = _load_bars(data or list(policy.cfg.data.source), policy.cfg)
     tables = policy.bar_tables(bars, at)
     decision, _ = policy.start_bar(policy.inputs(tables), position)

@@ -33,7 +33,8 @@ from flax import struct
 from foxhunt_jax.agent.learner import Learner, make_learner
 from foxhunt_jax.agent.network import expected_q
 from foxhunt_jax.backend import Backend, resolve, resolve_config
-from foxhunt_jax.config import Config, EnvConfig, from_dict, read_yaml, to_dict
+from foxhunt_jax.config import (Config, EnvConfig, from_dict, member_config, population_members,
+                                read_yaml, to_dict)
 from foxhunt_jax.data.features import MarketTables
 from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError
@@ -256,8 +257,28 @@ def config_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
+def run_member_config(run_dir: Path, cfg: Config, member: int | None) -> Config:
+    """The config an agent of the run acts under: the run's own, or for a population
+    (``train.population`` P > 1) member ``member``'s (:func:`~foxhunt_jax.config.
+    member_config`: its seed and hyperparameters). ConfigError when a population is given no
+    member, a member outside ``0..P-1``, or a single-agent run a member."""
+    size = cfg.train.population
+    if size == 1:
+        if member is not None:
+            raise ConfigError(f"--member {member}: {run_dir} trained one agent, not a population")
+        return cfg
+    if member is None:
+        raise ConfigError(f"{run_dir} holds a population of {size} agents: pass --member K "
+                          f"(0..{size - 1}; {run_dir}/population.json and "
+                          f"report/population_report.md name the member chosen on validation)")
+    if not 0 <= member < size:
+        raise ConfigError(f"--member must be in 0..{size - 1} (the run's population), got "
+                          f"{member}")
+    return member_config(cfg, population_members(cfg)[member], member)
+
+
 def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "last",
-                   warn=None) -> tuple[Any, int, str, str]:
+                   warn=None, member: int | None = None) -> tuple[Any, int, str, str]:
     """The network parameters of a run's agent, its epoch, which agent it is (``"selected"`` or
     ``"last"``) and a note that names it in words, restored
     into an abstract state of the run's config on this process's first device (no data is
@@ -267,6 +288,9 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "l
     that the latest checkpoint's state had selected (``DIR/selected/``,
     :func:`~foxhunt_jax.training.checkpoint.restore_selected`; a damaged step is skipped with a
     ``warn`` line); a run from before selection gives its last agent, and the note says so.
+    ``member``: of a population run (``cfg`` the run's own config), that member's agent: its
+    slice of the checkpointed ``[P, ...]`` state, its selection from
+    ``DIR/selected/member_<member>/``.
     """
     step = checkpoint.latest_step(run_dir / "checkpoints")
     if step is None:
@@ -289,13 +313,19 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "l
     shape = jax.eval_shape(lambda p, k: initial_state(learner, cfg, p, k), params,
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=device), shape)
+    members = () if member is None else (cfg.train.population,)  # the member axis in front
+    target = jax.tree.map(lambda x: sds(members + x.shape, x.dtype, sharding=device), shape)
     state, meta = checkpoint.restore(run_dir / "checkpoints", step, target)
-    epoch = int(meta.get("epoch", step))
+    if member is not None:
+        state = jax.tree.map(lambda x: x[member], state)
+    epoch = int(np.asarray(meta.get("epoch", step)))
     if agent == "last":
         return state.agent.params, epoch, "last", f"last agent (epoch {epoch})"
-    found = checkpoint.restore_selected(run_dir / checkpoint.SELECTED_DIR, epoch,
-                                        state.agent.params, warn=warn or (lambda line: None))
+    selected_dir = run_dir / checkpoint.SELECTED_DIR
+    if member is not None:
+        selected_dir = selected_dir / f"member_{member}"
+    found = checkpoint.restore_selected(selected_dir, epoch, state.agent.params,
+                                        warn=warn or (lambda line: None))
     if found is None:
         return (state.agent.params, epoch, "last", f"selected agent requested; the run records "
                 f"none (it predates selection), so this is the last agent (epoch {epoch})")
@@ -322,19 +352,25 @@ class Policy:
         self._step = jax.jit(functools.partial(step_from, core))
 
     @classmethod
-    def load(cls, run_dir: str | Path, agent: str = "selected", warn=None) -> "Policy":
+    def load(cls, run_dir: str | Path, agent: str = "selected", warn=None,
+             member: int | None = None) -> "Policy":
         """The agent of a run directory. ``agent="selected"``: the agent chosen on validation
         (``train.select_by``; a run from before selection gives its last agent and
-        ``agent_note`` says so); ``"last"``: the latest checkpoint (:func:`restore_params`)."""
+        ``agent_note`` says so); ``"last"``: the latest checkpoint (:func:`restore_params`).
+        ``member``: which member of a population run (required there; its own config,
+        :func:`run_member_config`)."""
         run = Path(run_dir)
         if agent not in AGENTS:
             raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} is not a run directory (no config.yaml)")
-        cfg = resolve_config(from_dict(read_yaml(run / "config.yaml")))
+        run_cfg = resolve_config(from_dict(read_yaml(run / "config.yaml")))
+        cfg = run_member_config(run, run_cfg, member)
         learner = make_learner(cfg, cfg.env.branch_sizes)
         stats = spec.run_statistics(run, cfg, warn)
-        params, epoch, which, note = restore_params(run, cfg, learner, agent, warn)
+        params, epoch, which, note = restore_params(run, run_cfg, learner, agent, warn, member)
+        if member is not None:
+            note = f"member {member}'s {note}"
         core = Core(learner=learner, env_cfg=cfg.env, backend=resolve(cfg.network))
         return cls(core, params, cfg, stats, run, epoch, which, note)
 

@@ -160,3 +160,35 @@ def test_members_split_over_two_devices_give_the_one_device_numbers(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
+
+
+def test_evaluate_act_and_export_take_a_member(tmp_path, capsys):
+    """A member's selected agent, walked by `evaluate --member K` under its own config, gives
+    the test figures population.json holds for it; act and export take the member too; a
+    population without --member, or a member outside 0..P-1, is one error line."""
+    from foxhunt_jax.cli import main
+    from foxhunt_jax.policy import Policy
+
+    cfg = tiny("train.population=2", "train.epochs=2", 'population.grid=["env.cost_bps=1,30"]')
+    run = tmp_path / "run"
+    api.train(cfg, run, progress=False, log=lambda s: None, compile_cache=False)
+    saved = json.loads((run / "population.json").read_text())["members"]
+    capsys.readouterr()
+    assert main(["evaluate", "--run", str(run), "--member", "1"]) == 0
+    walked = json.loads((run / "report" / "evaluate_test_member1.json").read_text())
+    assert walked["metrics"]["agent"]["sharpe"] == pytest.approx(
+        saved[1]["test"]["agent"]["sharpe"], rel=1e-5, abs=1e-7)
+    assert walked["agent"]["member"] == 1
+    assert main(["act", "--run", str(run), "--member", "0"]) == 0
+    assert "member 0's selected agent" in capsys.readouterr().out
+    policy = Policy.load(run, member=1)
+    assert policy.cfg.env.cost_bps == 30.0 and policy.cfg.train.seed == cfg.train.seed + 1
+    assert main(["export", "--run", str(run), "--member", "1", "--out",
+                 str(tmp_path / "exported")]) == 0
+    for argv, needle in ((["act", "--run", str(run)], "pass --member K (0..1"),
+                         (["evaluate", "--run", str(run), "--member", "2"],
+                          "--member must be in 0..1")):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
