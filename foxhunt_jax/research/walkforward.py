@@ -67,11 +67,15 @@ class Fold:
 
 def plan_folds(cfg: Config, folds: int, window: str = "expanding", sliding_blocks: int = 2,
                validation_fraction: float = 0.2) -> list[Fold]:
-    """The folds of ``cfg``'s market; ConfigError for ``folds < 1``, an unknown ``window``, or
+    """The folds of ``cfg``'s market; ConfigError for ``folds < 1``, a gymnax ``env.name``, an
+    unknown ``window``, or
     a block (or a fold's train or validation part) shorter than ``env.episode_length + 1``
     pooled bar times. Reads timestamps only."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise ConfigError(f"--folds must be an integer >= 1, got {folds!r}")
+    if cfg.env.name != "trading":
+        raise ConfigError(f"config key 'env.name' {cfg.env.name!r}: a walk-forward cuts market "
+                          "data through time, so it trains the trading env only")
     if window not in WINDOWS:
         raise ConfigError(f"--window must be one of {', '.join(WINDOWS)}, got {window!r}")
     if isinstance(sliding_blocks, bool) or not isinstance(sliding_blocks, int) \

@@ -151,6 +151,8 @@ def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, c
     (["--folds", "9"], "--folds 9: fold 1 trains on 12 bar times"),
     (["--folds", "2", "--window", "diagonal"], "--window must be one of expanding, sliding"),
     (["--folds", "2", "--validation-fraction", "1"], "--validation-fraction must be in (0, 1)"),
+    (["--folds", "2", "--set", "env.name=CartPole-v1", "--set", "train.select_by=return"],
+     "trains the trading env only"),
 ])
 def test_bad_input_one_error_line_nothing_written(market_csv, tmp_path, capsys, argv, message):
     _, _, path = market_csv
