@@ -60,6 +60,11 @@ def _f(x, fmt="{:.2f}"):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+
+def step_text(step_ms) -> str:
+    """A learner step's milliseconds, or why there is none (``train.overlap``)."""
+    return "overlapped" if step_ms is None else f"{step_ms:.3f}"
+
 def tables(res: dict) -> str:
     """The results as markdown tables."""
     lines = []
@@ -91,7 +96,8 @@ def tables(res: dict) -> str:
             p = r["phases"]
             cell = lambda k: f"{p[k]['median']:.2f} [{p[k]['p25']:.2f}-{p[k]['p75']:.2f}]"
             lines.append(f"| {vname(r['backend'], r['dtype'])} | {cell('experience')} | "
-                         f"{cell('training')} ({r['train_step_ms']:.3f}) | {cell('validation')} | "
+                         f"{cell('training')} ({step_text(r['train_step_ms'])}) | "
+                         f"{cell('validation')} | "
                          f"{cell('total')} | {r['compile_ms'] / 1e3:.2f} |")
     pop = res.get("population", {})
     if pop.get("rows"):

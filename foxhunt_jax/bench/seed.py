@@ -59,7 +59,10 @@ def section_seed(args, out: dict, deadline: Deadline, market) -> None:
             tr = build_trainer(cfg, market)
             row.update(run_epochs(tr, args.epochs, args.warmup))
             k = max(cfg.train.train_steps, 1)
-            row["train_step_ms"] = row["phases"]["training"]["median"] / k
+            # with train.overlap the Training phase also holds the next collection (and on one
+            # device Validation), so it is no learner-step time
+            row["train_step_ms"] = (None if cfg.train.overlap
+                                    else row["phases"]["training"]["median"] / k)
             ph = row["phases"]
             print(f"  seed {backend}/{dtype}: total {ph['total']['median']:.2f} ms (exp "
                   f"{ph['experience']['median']:.2f}, train {ph['training']['median']:.2f}, val "

@@ -14,7 +14,7 @@ def seed_train_rows(seed_rows: list) -> list[dict]:
     Q-forward backend does not enter training)."""
     rows = []
     for row in seed_rows:
-        if "phases" in row and row["backend"] == "xla":
+        if "phases" in row and row["backend"] == "xla" and row["train_step_ms"] is not None:
             step = row["train_step_ms"]
             rows.append({"dtype": row["dtype"], "batch": row["batch_size"], "step_ms": step,
                          "steps_per_s": per_second(1, step),
