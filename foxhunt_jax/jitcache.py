@@ -319,25 +319,34 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
 
 
 _HIT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX ran XLA or read its cache
 
 
 def _compile_watching_xla_cache(jitted, args):
-    """``jitted.lower(*args).compile()`` and whether JAX's persistent cache served it."""
+    """``jitted.lower(*args).compile()`` and whether XLA compiled it in this call: JAX ran its
+    backend compile (rather than reusing an executable it already holds in this process) and
+    its persistent cache did not serve that compile."""
     from jax import monitoring
 
-    hits, me = [], threading.get_ident()
+    hits, compiles, me = [], [], threading.get_ident()
 
-    def listen(event, **kwargs):
-        # JAX records the event in the compiling thread; other threads may compile meanwhile
+    # JAX records both events in the compiling thread; other threads may compile meanwhile
+    def on_event(event, **kwargs):
         if event == _HIT and threading.get_ident() == me:
             hits.append(event)
 
-    monitoring.register_event_listener(listen)
+    def on_duration(event, duration, **kwargs):
+        if event == _BACKEND_COMPILE and threading.get_ident() == me:
+            compiles.append(duration)
+
+    monitoring.register_event_listener(on_event)
+    monitoring.register_event_duration_secs_listener(on_duration)
     try:
         compiled = jitted.lower(*args).compile()
     finally:
-        monitoring.unregister_event_listener(listen)
-    return compiled, bool(hits)
+        monitoring.unregister_event_listener(on_event)
+        monitoring.unregister_event_duration_listener(on_duration)
+    return compiled, bool(compiles) and not hits
 
 
 def _read_entry(path: Path) -> bytes | None:
@@ -427,10 +436,11 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     compiled, writable = _load(path, args, key)
     if compiled is not None:
         return compiled, True
-    compiled, from_xla_cache = _compile_watching_xla_cache(make(), args)
+    compiled, compiled_here = _compile_watching_xla_cache(make(), args)
     # An executable JAX loaded from its persistent cache does not serialize whole on every
-    # platform (on the CPU the copy lacks its fused functions and fails when run), so only
-    # programs XLA compiled here are kept.
-    if writable and not from_xla_cache:
+    # platform (on the CPU the copy lacks its fused functions and fails when run), and one JAX
+    # reuses from its in-process cache may be such an executable, so only programs XLA
+    # compiled in this call are kept.
+    if writable and compiled_here:
         _store(path, compiled, args, key, name)
     return compiled, False

@@ -380,6 +380,20 @@ def test_programs_served_by_the_xla_cache_are_not_stored(exe_dir):
     np.testing.assert_allclose(c(x, y), _tiny()(x, y))
 
 
+def test_programs_jax_reuses_in_process_are_not_stored(exe_dir):
+    """A second compile of the same jitted program is JAX's in-process executable, which may be
+    one its persistent cache served (no cache event marks it then): only the first is kept."""
+    x, y = jnp.ones((4, 3)), jnp.ones((3, 2))
+    program = _tiny()
+    first, _ = jitcache.compile_cached(program, (x, y), name="first", config={})
+    again, loaded = jitcache.compile_cached(program, (x, y), name="again", config={})
+    assert not loaded
+    stored = sorted(p.name for p in exe_dir.rglob("*") if p.is_file())
+    assert any("first" in name for name in stored), stored
+    assert not any("again" in name for name in stored), stored
+    np.testing.assert_allclose(again(x, y), first(x, y))
+
+
 def test_least_recently_used_entries_are_evicted(tmp_path):
     import os
     import time
