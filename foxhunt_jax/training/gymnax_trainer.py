@@ -84,23 +84,10 @@ class GymnaxTrainer(Trainer):
 
     def _record(self, results: EpochResults, phase_ms: dict) -> dict:
         learned, collected = results.training_metrics, results.experience_stats
-        epoch, cfg = int(learned["epoch"]), self.cfg
         returns = np.asarray(results.validation_paths["return"], np.float64)
         lengths = np.asarray(results.validation_paths["length"], np.float64)
         return {
-            "epoch": epoch,
-            "env_steps": epoch * cfg.train.num_episodes * cfg.env.episode_length,
-            "phase_ms": phase_ms,
-            "loss": float(learned["loss"]),
-            "grad_norm": float(learned["grad_norm"]),
-            "rnd_loss": float(learned["rnd_loss"]),
-            "support_edge_mass": float(learned["support_edge_mass"]),
-            "finite_params": bool(learned["finite_params"]),
-            "finite_opt_state": bool(learned["finite_opt_state"]),
-            "epsilon": float(collected["epsilon"]),
-            "beta": float(learned["beta"]),
-            "reward": float(collected["reward"]),
-            "bonus": float(collected["bonus"]),
+            **self.learning_fields(collected, learned, phase_ms),
             "episodes_done": int(collected["episodes_done"]),
             "val": {"return": float(returns.mean()), "return_min": float(returns.min()),
                     "return_max": float(returns.max()), "length": float(lengths.mean())},

@@ -193,6 +193,14 @@ class Trainer:
                      validation_loss, phase_ms: dict) -> dict:
         """An epoch's metrics record from its host results: the Experience stats, Training
         metrics, Validation paths ``[L, W]`` and loss (one population member's, too)."""
+        return dict(self.learning_fields(collected, learned, phase_ms),
+                    val_loss=float(validation_loss),
+                    val=self._metrics(validate.equity_paths(validation_paths)),
+                    val_buy_and_hold=self._validation_buy_and_hold_metrics())
+
+    def learning_fields(self, collected: dict, learned: dict, phase_ms: dict) -> dict:
+        """The fields every env's epoch record shares: the epoch, its env steps and phase times,
+        the learner's metrics and the collection's stats."""
         epoch, cfg = int(learned["epoch"]), self.cfg
         return {
             "epoch": epoch,
@@ -208,9 +216,6 @@ class Trainer:
             "beta": float(learned["beta"]),
             "reward": float(collected["reward"]),
             "bonus": float(collected["bonus"]),
-            "val_loss": float(validation_loss),
-            "val": self._metrics(validate.equity_paths(validation_paths)),
-            "val_buy_and_hold": self._validation_buy_and_hold_metrics(),
         }
 
     def _metrics(self, paths: dict) -> dict:
