@@ -33,7 +33,9 @@ def section_train(args, out: dict, deadline: Deadline, market, seed_rows: list) 
             continue
         row = {"dtype": dtype, "batch": args.big_batch}
         try:
-            cfg = variant_cfg(args, "xla", dtype, [f"train.batch_size={args.big_batch}"])
+            # learner steps alone: with train.overlap the Training phase holds a collection too
+            cfg = variant_cfg(args, "xla", dtype, [f"train.batch_size={args.big_batch}",
+                                                   "train.overlap=false"])
             tr = build_trainer(cfg, market)
             res = run_epochs(tr, max(3, args.epochs // 4), 1)
             k = max(cfg.train.train_steps, 1)
