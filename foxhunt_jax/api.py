@@ -38,7 +38,7 @@ from foxhunt_jax.policy.policy import restore_params, run_member_config
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.research.population import chosen_lines, population_report
 from foxhunt_jax.training import checkpoint, report, validate
-from foxhunt_jax.training.phases import TrainerState, all_finite
+from foxhunt_jax.training.phases import TrainerState, all_finite, initial_agent
 from foxhunt_jax.training.population import PopulationTrainer
 from foxhunt_jax.training.rundir import (LOG_WRITERS, RunWriter, check_run_folder,
                                          checkpoint_steps, open_run, read_metrics, to_jsonable)
@@ -429,14 +429,20 @@ def _episode_report(trainer: GymnaxTrainer, agent: AgentState, state: TrainerSta
     return summary, []
 
 
+def read_run_config(run_dir: str | Path) -> Config:
+    """The config a run directory was trained with; ConfigError when it holds none."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    return from_dict(read_yaml(path))
+
+
 def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Trainer, TrainerState]:
     """Rebuilds the trainer of a run directory and restores its newest intact checkpoint (a
     damaged one is skipped with a warning line; none intact: FoxhuntError). The state's agent
     is the last one; :func:`run_agent` gives the selected one."""
     run = Path(run_dir)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"{run} is not a run directory (no config.yaml)")
-    cfg = from_dict(read_yaml(run / "config.yaml"))
+    cfg = read_run_config(run)
     if cfg.env.name != TRADING:
         raise ConfigError(f"{run} trained env.name {cfg.env.name}: evaluate, act and export "
                           "serve trading runs (its report/summary.json holds the final greedy "
@@ -515,20 +521,21 @@ def evaluation_path(run_dir: str | Path, split: str, data: list[str] | None,
     return Path(run_dir) / "report" / f"{name}.json"
 
 
-def _member_agent(run_dir: str | Path, data: list[str] | None, agent: str, member: int | None
-                  ) -> tuple[Trainer, AgentState, dict]:
+def _member_agent(run_dir: str | Path, run_cfg: Config, data: list[str] | None, agent: str,
+                  member: int | None) -> tuple[Trainer, AgentState, dict]:
     """A population member's trainer (its own config, :func:`~foxhunt_jax.policy.policy.
     run_member_config`) and agent (:func:`~foxhunt_jax.policy.policy.restore_params`), with
     :func:`run_agent`'s description."""
     run = Path(run_dir)
-    run_cfg = from_dict(read_yaml(run / "config.yaml"))
     cfg = run_member_config(run, run_cfg, member)
     if data:
         cfg = replace(cfg, data={"source": list(data)})
     trainer = Trainer.build(cfg, devices=parallel.fitting_devices(cfg.train.shards))
     params, epoch, which, note = restore_params(run, run_cfg, trainer.learner, agent, _warn,
                                                 member)
-    host = parallel.to_host(trainer.init_state().agent).replace(params=params)
+    # the agent's structure around the restored network (no episodes or replay are built)
+    host = parallel.to_host(initial_agent(trainer.learner, trainer.env_params["train"],
+                                          jax.random.PRNGKey(0))).replace(params=params)
     return trainer, host, {"agent": which, "epoch": epoch, "member": member, "text": note}
 
 
@@ -557,10 +564,9 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     log = log or print
     use_compile_cache(compile_cache)
     t0 = time.perf_counter()
-    population = from_dict(read_yaml(Path(run_dir) / "config.yaml")).train.population > 1 \
-        if (Path(run_dir) / "config.yaml").is_file() else False
-    if population or member is not None:
-        trainer, policy, info = _member_agent(run_dir, data, agent, member)
+    run_cfg = read_run_config(run_dir)
+    if run_cfg.train.population > 1 or member is not None:
+        trainer, policy, info = _member_agent(run_dir, run_cfg, data, agent, member)
     else:
         trainer, state = load_run(run_dir, data)
         policy, info = run_agent(run_dir, state, agent)
@@ -569,8 +575,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     metrics = res["metrics"]
     log(report.evaluation_table(metrics, title=f"{split} split (full walk, equal-weight "
                                               f"portfolio), {agent_text(info)}"))
-    run_data = from_dict(read_yaml(Path(run_dir) / "config.yaml")).data.source
-    path = evaluation_path(run_dir, split, data, run_data, agent, member)
+    path = evaluation_path(run_dir, split, data, run_cfg.data.source, agent, member)
     params, starts, lengths = validate.evaluation_params(trainer.tables, trainer.cfg.env, split)
     trades = walk_trades(params, starts, lengths, res["paths"]["agent"]["action"],
                          trainer.tables, trainer.cfg)
