@@ -255,18 +255,25 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     epoch = int(state.epoch)
     selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
 
-    def queue_after(epoch: int, selection: Selection) -> tuple[bool, bool]:
-        """(save, queue_next) of the epoch after ``epoch``: queue the next epoch's Experience
-        and Training behind it (their launches then overlap GPU work) unless its state is to
-        be checkpointed or it may be the last (early stopping)."""
-        save = out is not None and ((epoch + 1) % cfg.train.checkpoint_every == 0
-                                    or epoch + 1 == epochs)
-        may_stop = patience > 0 and selection.stale + 1 >= patience
-        return save, epoch + 1 < epochs and not save and not may_stop
+    def saves(epoch: int) -> bool:
+        return out is not None and (epoch % cfg.train.checkpoint_every == 0 or epoch == epochs)
+
+    def queue_after(epoch: int, selection: Selection) -> tuple[bool, int]:
+        """(save, queue_next) of the epoch after ``epoch``. Its ``queue_next``
+        (:meth:`~foxhunt_jax.training.trainer.Trainer.run_epoch`) counts the epochs after it
+        that may start before it is read, so their launches overlap GPU work: none where its
+        state is to be checkpointed or it may be the last (early stopping), one where that
+        holds for the epoch after it too."""
+        def may_follow(ahead: int) -> bool:  # epoch + ahead + 1 may start after epoch + ahead
+            upcoming = epoch + ahead
+            may_stop = patience > 0 and selection.stale + ahead >= patience
+            return upcoming < epochs and not saves(upcoming) and not may_stop
+
+        return saves(epoch + 1), (2 if may_follow(2) else 1) if may_follow(1) else 0
 
     if epoch < epochs and not selection.stops(patience):
         log("compiling the phase programs (or loading them from the executable cache) ...")
-        trainer.compile(state, queued=queue_after(epoch, selection)[1])
+        trainer.compile(state, queued=queue_after(epoch, selection)[1] >= 1)
         log(compile_line(trainer))
     bar = _progress(progress, epochs, epoch)
     warned = False

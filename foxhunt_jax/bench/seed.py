@@ -15,14 +15,15 @@ def time_epochs(tr, state, count: int, warmup: int) -> tuple[dict, dict, dict]:
     """Runs warmup + count epochs from ``state``: (per-phase lists of the last ``count``, the
     first epoch's ``phase_ms``, the last record).
 
-    Each epoch queues the next one's Experience and Training (``run_epoch(queue_next=True)``,
-    as training without a checkpoint between epochs does), so the times are those of a steady
-    loop: Experience runs from the previous epoch's Validation to its own completion.
+    Each epoch queues the next one's phases, and the following Experience where it is paired
+    with Validation (``run_epoch(queue_next=2)``, as training without a checkpoint between
+    epochs does), so the times are those of a steady loop: Experience runs from the previous
+    epoch's Validation to its own completion.
     """
     phases = {"experience": [], "training": [], "validation": [], "total": []}
     first = rec = None
     for e in range(warmup + count):
-        state, rec = tr.run_epoch(state, queue_next=e + 1 < warmup + count)
+        state, rec = tr.run_epoch(state, queue_next=min(2, warmup + count - 1 - e))
         ms = rec["phase_ms"]
         first = first or ms
         if e >= warmup:

@@ -16,25 +16,29 @@ phase's completion to its own; Experience's from the call, or from the previous 
 Validation when that epoch queued it. A phase seen to end before the one before it counts as
 0 ms (a CPU may run a queued Experience beside the Validation queued before it).
 
-**The ahead state.** ``Pipeline.run_epoch(state, queue_next=True)`` also queues the next
-epoch's Experience and Training behind this epoch's Validation, before this epoch's results
-are read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`):
+**The ahead state.** ``Pipeline.run_epoch(state, queue_next=1)`` also queues the next
+epoch's Experience and Training behind this epoch's Validation, before this epoch's results are
+read, and keeps them in :attr:`Pipeline.ahead` (an :class:`Ahead`); ``queue_next=2``, where the
+rollouts are paired, also queues the next epoch's Validation, paired with the Experience of the
+epoch after it, so the device holds two programs' work (Training, then Validation + Experience)
+while the host reads this epoch's results and writes its record:
 
-- what it holds: the state after the next epoch's Experience and Training (its agent, replay,
-  episodes and key are those of after that Training, and its epoch counter is one more than
-  the epoch just reported), the Experience stats and Training metrics of that epoch (device
-  arrays, possibly still being computed), their completion clocks, and the moment this
-  epoch's Validation was seen complete (where the next epoch's time starts).
+- what it holds: the state after the queued phases (after the next epoch's Training, or with
+  ``queue_next=2`` after the following epoch's Experience; its epoch counter is one more than
+  the epoch just reported), the queued phases' results (device arrays, possibly still being
+  computed) and their completion clocks (a :class:`QueuedEpoch`), and the moment this epoch's
+  Validation was seen complete (where the next epoch's time starts).
 - ``run_epoch`` returns ``ahead.state``: the caller passes it, the same object, to the next
   ``run_epoch``, which takes up the queued phases instead of queueing them again, then queues
-  that epoch's Validation (and, if asked, the epoch after it). Any other state drops the ahead
-  phases and runs its own.
-- never checkpoint an ahead state: its counter counts an epoch whose Validation has not run
-  and whose record has not been written, so a resume from it would not reproduce the run.
-- draining: ``run_epoch(ahead.state, queue_next=False)`` finishes the queued epoch and queues
+  what is left of that epoch (and, if asked, of the epochs after it). Any other state drops the
+  ahead phases and runs its own. A state that already holds the following epoch's Experience
+  (queued with ``queue_next=2``) must be run with ``queue_next`` of at least 1.
+- never checkpoint an ahead state: its counter counts an epoch whose Validation has not been
+  read and whose record has not been written, so a resume from it would not reproduce the run.
+- draining: ``run_epoch(ahead.state, queue_next=0)`` finishes the queued epoch and queues
   nothing, so the state it returns is at its epoch and may be checkpointed.
-  :func:`foxhunt_jax.api.train` queues only after epochs that are neither checkpointed nor
-  the last.
+  :func:`foxhunt_jax.api.train` queues an epoch only where neither it nor the one before it is
+  checkpointed, and none of them is the last or may stop early.
 
 With ``validation_experience`` the queued Experience is part of the Validation program: the
 Validation time then includes the next epoch's Experience, whose own time reads about 0.
@@ -166,15 +170,24 @@ class Queued(NamedTuple):
     ready: Callable[[], float]
 
 
+class QueuedEpoch(NamedTuple):
+    """One epoch's queued phases: Experience's stats, Training's metrics and parameter copy,
+    Validation's paths and loss once queued (None before), and ``collected``: the following
+    epoch's Experience stats where this epoch's Validation program also collected it."""
+
+    experience: Queued
+    training: Queued
+    validation: Queued | None = None
+    collected: Queued | None = None
+
+
 @dataclass(frozen=True)
 class Ahead:
-    """The next epoch's Experience and Training, queued by ``run_epoch(..., queue_next=True)``
-    (the module docstring says when such a state may be used and checkpointed)."""
+    """Phases queued by ``run_epoch(..., queue_next=1 or 2)`` (the module docstring says when
+    such a state may be used and checkpointed)."""
 
     state: TrainerState  # the state after them
-    experience: Queued  # their stats
-    training: Queued  # its metrics and the copy of the parameters it left
-    validation: Queued | None  # its paths and loss where Validation is part of the program
+    epoch: QueuedEpoch  # the next epoch's queued phases
     since: float  # when this epoch's Validation was seen complete: the next epoch's start
 
 
@@ -313,66 +326,83 @@ class Pipeline:
         self.programs.update({name: compiled for name, (compiled, _) in built.items()})
         return sum(int(loaded) for _, loaded in built.values())
 
-    def run_epoch(self, state: TrainerState, queue_next: bool = False
+    def run_epoch(self, state: TrainerState, queue_next: int = 0
                   ) -> tuple[TrainerState, EpochResults, dict]:
         """Runs one epoch through the compiled programs; returns ``(state, results, phase_ms)``
         with ``phase_ms`` the experience, training and validation milliseconds.
 
-        ``queue_next``: queue the next epoch's Experience and Training before waiting; the
-        returned state is then ahead (module docstring).
+        ``queue_next``: 1 (or True) queues the next epoch's Experience and Training before
+        waiting, 2 also its Validation paired with the following Experience (where
+        :attr:`pairs_rollouts`; otherwise as 1); the returned state is then ahead (module
+        docstring).
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.state is state:
-            start, experience, training, validation = (ahead.since, ahead.experience,
-                                                       ahead.training, ahead.validation)
+            start, queued = ahead.since, ahead.epoch
         else:
             start = time.perf_counter()
-            state, experience, training, validation = self._queue_epoch(state)
+            state, queued = self._queue_epoch(state)
+        if queued.collected is not None and queue_next < 1:
+            raise ValueError("the state holds the next epoch's Experience (queued with "
+                             "queue_next=2): run this epoch with queue_next >= 1")
+        if queued.validation is None:
+            state, queued = self._queue_validation(state, queued, pair=queue_next >= 1)
+        following = None
+        if queue_next >= 1:  # queued after this Validation, which reads `state` first
+            state, following = self._queue_epoch(state, queued.collected, fresh=False)
+            if queue_next >= 2 and following.validation is None and self.pairs_rollouts:
+                state, following = self._queue_validation(state, following, pair=True)
 
-        inputs, next_epoch = self.inputs, None
-        if validation is not None:  # part of this epoch's program
-            if queue_next:
-                next_epoch = self._queue_epoch(state, fresh=False)
-        elif queue_next and PAIRED_PROGRAM in self.programs:
-            # the next epoch's Experience completes with this Validation
-            paths, loss, state, next_stats = self.programs[PAIRED_PROGRAM](
-                inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
-                state, inputs.schedule)
-            validation = Queued((paths, loss), ready_clock((paths, loss)))
-            next_epoch = self._queue_training(state, next_stats) + (None,)
-        else:
-            paths, loss = self.programs["validation"](
-                inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
-            validation = Queued((paths, loss), ready_clock((paths, loss)))
-            if queue_next:  # donates `state`, which Validation above was queued to read first
-                next_epoch = self._queue_epoch(state, fresh=False)
-
-        experience_end = max(experience.ready(), start)
-        training_end = max(training.ready(), experience_end)
-        validation_end = max(validation.ready(), training_end)
-        if next_epoch is not None:
-            state = next_epoch[0]
-            self.ahead = Ahead(*next_epoch, since=validation_end)
+        experience_end = max(queued.experience.ready(), start)
+        training_end = max(queued.training.ready(), experience_end)
+        validation_end = max(queued.validation.ready(), training_end)
+        if following is not None:
+            self.ahead = Ahead(state, following, since=validation_end)
         phase_ms = {"experience": (experience_end - start) * 1e3,
                     "training": (training_end - experience_end) * 1e3,
                     "validation": (validation_end - training_end) * 1e3}
-        metrics, validated_params = training.results
-        paths, loss = validation.results
-        results = EpochResults(experience.results, metrics, paths, loss, validated_params)
+        metrics, validated_params = queued.training.results
+        paths, loss = queued.validation.results
+        results = EpochResults(queued.experience.results, metrics, paths, loss,
+                               validated_params)
         return state, results, phase_ms
 
-    def _queue_epoch(self, state: TrainerState, fresh: bool | None = None
-                     ) -> tuple[TrainerState, Queued, Queued, Queued | None]:
-        """Queues an epoch's programs before Validation: Experience and Training, or with
-        :attr:`overlaps` the ``overlapped`` program, behind the first collection where ``state``
-        is fresh (``fresh``: known by the caller; None reads ``state.epoch == 0``, which waits
-        for the state). The last item: Validation's results where the program holds it
-        (:attr:`validates_in_overlap`), else None."""
+    def _queue_validation(self, state: TrainerState, queued: QueuedEpoch, pair: bool
+                          ) -> tuple[TrainerState, QueuedEpoch]:
+        """Queues the Validation of the epoch whose Training produced ``state``; with ``pair``
+        and the ``validation_experience`` program compiled, beside the next epoch's Experience
+        (which then advances the state and is kept in ``collected``)."""
+        inputs = self.inputs
+        if pair and PAIRED_PROGRAM in self.programs:
+            paths, loss, state, stats = self.programs[PAIRED_PROGRAM](
+                inputs.validation_env_params, inputs.window_starts, inputs.train_env_params,
+                state, inputs.schedule)
+            collected = Queued(stats, ready_clock(stats))
+        else:
+            paths, loss = self.programs["validation"](
+                inputs.validation_env_params, inputs.window_starts, self._local_agent(state))
+            collected = None
+        validation = Queued((paths, loss), ready_clock((paths, loss)))
+        return state, queued._replace(validation=validation, collected=collected)
+
+    def _queue_epoch(self, state: TrainerState, collected: Queued | None = None,
+                     fresh: bool | None = None) -> tuple[TrainerState, QueuedEpoch]:
+        """Queues an epoch's programs before Validation: Experience (unless ``collected``: its
+        stats, already queued) and Training, or with :attr:`overlaps` the ``overlapped``
+        program, behind the first collection where ``state`` is fresh (``fresh``: known by the
+        caller; None reads ``state.epoch == 0``, which waits for the state). Validation is
+        queued too where the program holds it (:attr:`validates_in_overlap`)."""
         inputs = self.inputs
         if not self.overlaps:
-            state, stats = self.programs["experience"](inputs.train_env_params, state,
-                                                       inputs.schedule)
-            return self._queue_training(state, stats) + (None,)
+            if collected is None:
+                state, stats = self.programs["experience"](inputs.train_env_params, state,
+                                                           inputs.schedule)
+                collected = Queued(stats, ready_clock(stats))
+            # Training right behind Experience, so its launch overlaps Experience's device work
+            # (Training donates the state, not the stats waited on)
+            state, metrics, params = self.programs["training"](inputs.train_env_params, state,
+                                                               inputs.schedule)
+            return state, QueuedEpoch(collected, Queued((metrics, params), ready_clock(metrics)))
         first_collection = None
         if int(state.epoch) == 0 if fresh is None else fresh:
             state, first_stats = self.programs["experience"](inputs.train_env_params, state,
@@ -389,18 +419,9 @@ class Pipeline:
                 inputs.train_env_params, state, inputs.schedule)
         # Experience's clock: the first collection's end, else none (it then takes 0 ms);
         # Training's: the program's end, both of its chains, the learner's and the collection's
-        return (state, Queued(stats, first_collection or (lambda: 0.0)),
-                Queued((metrics, params), ready_clock((metrics, stats))), validation)
-
-    def _queue_training(self, state: TrainerState, experience_stats: dict
-                        ) -> tuple[TrainerState, Queued, Queued]:
-        """Queues Training right behind the Experience that produced ``state``, so its launch
-        overlaps Experience's device work (Training donates the state, not the stats waited
-        on)."""
-        experience = Queued(experience_stats, ready_clock(experience_stats))
-        state, metrics, params = self.programs["training"](self.inputs.train_env_params, state,
-                                                           self.inputs.schedule)
-        return state, experience, Queued((metrics, params), ready_clock(metrics))
+        return state, QueuedEpoch(Queued(stats, first_collection or (lambda: 0.0)),
+                                  Queued((metrics, params), ready_clock((metrics, stats))),
+                                  validation)
 
     def _local_agent(self, state: TrainerState) -> AgentState:
         """This process's first device's copy of the replicated agent (no transfer)."""

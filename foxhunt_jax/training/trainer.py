@@ -163,18 +163,20 @@ class Trainer:
         self.compile_ms, self.executables_loaded = self.pipeline.compile(
             state, threads=threads, queued=queued)
 
-    def run_epoch(self, state: TrainerState, queue_next: bool = False
+    def run_epoch(self, state: TrainerState, queue_next: int = 0
                   ) -> tuple[TrainerState, dict]:
         """One epoch; returns the new state and its metrics record (host floats).
 
-        ``queue_next``: also queue the next epoch's Experience and Training before this epoch's
-        metrics are read, so the host's work between epochs overlaps device work. The returned
-        state is then ahead: pass it to the next ``run_epoch`` and do not checkpoint it
-        (:mod:`~foxhunt_jax.training.pipeline`). The numbers are the same either way.
+        ``queue_next``: 1 (or True) also queues the next epoch's Experience and Training before
+        this epoch's metrics are read, so the host's work between epochs overlaps device work;
+        2 also the next epoch's Validation where it is paired with the following Experience.
+        The returned state is then ahead: pass it to the next ``run_epoch`` and do not
+        checkpoint it (:mod:`~foxhunt_jax.training.pipeline`). The numbers are the same either
+        way.
         """
         if not self.pipeline.programs:  # the first epoch of this trainer
-            self.compile(state, queued=queue_next)
-        elif queue_next:
+            self.compile(state, queued=queue_next >= 1)
+        elif queue_next >= 1:
             self.compile_ms += self.pipeline.compile_paired(state)
         state, results, phase_ms = self.pipeline.run_epoch(state, queue_next)
         phase_ms["init"], phase_ms["compile"] = self.init_ms, self.compile_ms

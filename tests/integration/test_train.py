@@ -190,20 +190,28 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     trainer = Trainer.build(cfg)
     monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: True)
 
-    def run(queue):
+    def run(queues):
         state, recs = trainer.init_state(), []
-        for e in range(2):
-            state, rec = trainer.run_epoch(state, queue_next=queue and e < 1)
+        for queue in queues:
+            state, rec = trainer.run_epoch(state, queue_next=queue)
             recs.append(rec)
         return state, recs
 
-    (s0, r0), (s1, r1) = run(False), run(True)
+    (s0, r0), (s1, r1) = run([0, 0, 0, 0]), run([1, 2, 1, 0])
     # compiled when the first queued epoch needed it, and reported as that epoch's Compile
     assert trainer.pairs_rollouts and "validation_experience" in trainer.pipeline.programs
     assert r1[0]["phase_ms"]["compile"] > 0 and r1[1]["phase_ms"]["compile"] == 0
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # two ahead: the next epoch's Validation and the Experience after it are queued too; that
+    # state holds the following epoch's Experience, so it must be run queueing the next
+    state, rec = trainer.run_epoch(trainer.init_state(), queue_next=2)
+    ahead = trainer.pipeline.ahead
+    assert ahead.state is state and ahead.epoch.validation is not None
+    assert ahead.epoch.collected is not None and rec["epoch"] == 1
+    with pytest.raises(ValueError, match="queue_next >= 1"):
+        trainer.run_epoch(state, queue_next=0)
     monkeypatch.undo()
     # paired by default where both rollouts are kernels on one device; not with the XLA
     # backend, the setting off, or a mesh of several devices (Validation runs on one)
@@ -222,6 +230,37 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
             pipeline.program_key_config(off, name)
     assert pipeline.program_key_config(cfg, "validation_experience") != \
         pipeline.program_key_config(off, "validation_experience")
+
+
+def test_train_queues_two_epochs_ahead_only_between_checkpoints(tmp_path, monkeypatch):
+    """api.train queues the next epoch, and the one after it where rollouts are paired, only
+    where no checkpoint falls in between; the records and checkpoints equal an unqueued run's."""
+    cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
+                                "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
+                                "train.num_episodes=16", "train.train_steps=2", "train.epochs=6",
+                                "train.checkpoint_every=3"])
+    queues, run_epoch = [], Trainer.run_epoch
+
+    def recording(self, state, queue_next=0):
+        queues.append(int(queue_next))
+        return run_epoch(self, state, queue_next)
+
+    monkeypatch.setattr(Trainer, "run_epoch", recording)
+    monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: True)
+    paired = api.train(cfg, tmp_path / "paired", progress=False, log=lambda s: None,
+                       final_report=False)
+    assert queues == [2, 1, 0, 2, 1, 0]
+    monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: False)
+    del queues[:]
+    plain = api.train(cfg, tmp_path / "plain", progress=False, log=lambda s: None,
+                      final_report=False)
+    assert queues == [2, 1, 0, 2, 1, 0]  # where nothing is paired, 2 acts as 1
+    assert without_timing(paired.history) == without_timing(plain.history)
+    for step in (3, 6):
+        saved = [checkpoint.restore(tmp_path / run / "checkpoints", step,
+                                    paired.trainer.init_state())[0] for run in ("paired", "plain")]
+        for a, b in zip(*map(jax.tree.leaves, saved)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
