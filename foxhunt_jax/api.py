@@ -708,8 +708,18 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
         pop.compile(state)
         log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s ({pop.executables_loaded} "
             f"of 3 loaded from the executable cache); state init {pop.init_ms / 1e3:.1f} s")
+    def queues_after(epoch: int) -> bool:
+        """Whether the epoch after ``epoch`` queues the one after it (the single-agent rule:
+        not where its state is to be checkpointed or it may be the last)."""
+        upcoming = epoch + 1
+        saves = out is not None and (upcoming % cfg.train.checkpoint_every == 0
+                                     or upcoming == epochs)
+        may_stop = patience > 0 and all(s.stops(patience) or s.stale + 1 >= patience
+                                        for s in selections)
+        return upcoming < epochs and not saves and not may_stop
+
     while epoch < epochs and not all(s.stops(patience) for s in selections):
-        state, records, extra = pop.run_epoch(state)
+        state, records, extra = pop.run_epoch(state, queue_next=queues_after(epoch))
         epoch = records[0]["epoch"]
         for i, rec in enumerate(records):
             _check_member_finite(rec)

@@ -78,7 +78,8 @@ class Tuning:
 
     Attributes:
       compiled: the kernels compile with Triton (a CUDA GPU); else they run interpreted.
-      programs: the device's multiprocessors (the grid size small launches aim for).
+      programs: the grid size small launches aim for: the device's multiprocessors, shared
+        among the copies of a launch that run as one (:func:`for_device`).
       q_forward: ``(dtype, KernelConfig)`` pairs of the fused Q-forward (:meth:`q_forward_config`).
       rollout: ``(dtype, KernelConfig)`` pairs of the rollout kernel (:meth:`rollout_config`).
       rnd: the curiosity kernel's launch shape.
@@ -132,14 +133,22 @@ def is_cuda(device) -> bool:
     return getattr(device, "platform", None) in ("gpu", "cuda")
 
 
-def for_device(device=None) -> Tuning:
+def for_device(device=None, copies: int = 1) -> Tuning:
     """The :class:`Tuning` of ``device`` (default: JAX's first device). Read from the device:
     its platform (compiled on a CUDA GPU, interpreted elsewhere) and its multiprocessor count
-    (``core_count``; :data:`DEFAULT_PROGRAMS` where it reports none)."""
+    (``core_count``; :data:`DEFAULT_PROGRAMS` where it reports none).
+
+    ``copies``: how many instances of each launch run as one (``jax.vmap`` of a kernel adds a
+    grid axis of that size, e.g. a population's members on this device). The multiprocessors
+    are shared among them: a launch aims for ``programs / copies`` programs (at least one), so
+    the rows of all copies fill the device with full-size blocks instead of each copy cutting
+    its rows into blocks for the whole device.
+    """
     if device is None:
         device = jax.devices()[0]
     cores = getattr(device, "core_count", None) if is_cuda(device) else None
-    return _table(is_cuda(device), int(cores) if cores else DEFAULT_PROGRAMS)
+    programs = int(cores) if cores else DEFAULT_PROGRAMS
+    return _table(is_cuda(device), max(1, programs // max(1, int(copies))))
 
 
 __all__ = ["KernelConfig", "ReplaySearch", "Tuning", "for_device", "is_cuda", "block_rows_for",

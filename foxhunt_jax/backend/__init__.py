@@ -96,14 +96,18 @@ def resolve_config(cfg: Config, device=None) -> Config:
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, dtype=dtype))
 
 
-def resolve(network_cfg: NetworkConfig, device=None, env_name: str = "trading") -> Backend:
+def resolve(network_cfg: NetworkConfig, device=None, env_name: str = "trading",
+            copies: int = 1) -> Backend:
     """The backend of a validated ``network`` config on ``device`` (default: JAX's first
-    device) for the env ``env_name`` (``env.name``). ``network.backend="auto"`` picks
-    ``pallas`` for the trading env where the kernels compile (a CUDA GPU) and the network
-    computes in bfloat16, the configuration where they are faster than XLA; else ``xla`` (the
-    float32 kernel is slower than XLA, elsewhere the kernels only run interpreted, and the
-    rollout kernels are the trading env's). ConfigError for ``pallas`` with another env."""
-    tuning = for_device(device)
+    device) for the env ``env_name`` (``env.name``), whose programs run ``copies`` agents at
+    once under ``jax.vmap`` (a population's members on the device; the launch tuning shares
+    the device among them, :func:`~pallas_kernels.tuning.for_device`).
+    ``network.backend="auto"`` picks ``pallas`` for the trading env where the kernels compile
+    (a CUDA GPU) and the network computes in bfloat16, the configuration where they are faster
+    than XLA; else ``xla`` (the float32 kernel is slower than XLA, elsewhere the kernels only
+    run interpreted, and the rollout kernels are the trading env's). ConfigError for
+    ``pallas`` with another env."""
+    tuning = for_device(device, copies)
     name = network_cfg.backend
     trading = env_name == "trading"
     if name == "pallas" and not trading:

@@ -21,12 +21,13 @@ def state_bytes(state) -> int:
 
 def time_population(cfg, market, epochs: int, warmup: int) -> dict:
     """Warmup + epochs epochs of a population of ``cfg.train.population`` members; an epoch's
-    time is its three programs' (the host's per-member records after them are not counted)."""
+    time runs from the previous epoch's Validation to its own (the next epoch is queued before
+    the host builds the per-member records)."""
     pop = PopulationTrainer.build(cfg, market=market)
     state = pop.init_state()
     size, totals, first = pop.size, [], None
-    for e in range(warmup + epochs):
-        state, _, extra = pop.run_epoch(state)
+    for e in range(warmup + epochs):  # each epoch queues the next, as training does
+        state, _, extra = pop.run_epoch(state, queue_next=e + 1 < warmup + epochs)
         ms = extra["phase_ms"]
         first = first or ms
         if e >= warmup:  # the device phases, as the seed section's total

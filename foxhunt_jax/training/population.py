@@ -36,12 +36,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import Learner, make_optimizer, schedule_values
 from foxhunt_jax.agent.value_range import resolve_trading
+from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config, member_config, population_members
 from foxhunt_jax.data.market import MarketData
-from foxhunt_jax.jitcache import compile_cached
+from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
-from foxhunt_jax.training.pipeline import ready_clock
+from foxhunt_jax.training.pipeline import Ahead, Queued, QueuedEpoch, ready_clock
 from foxhunt_jax.training.trainer import Trainer
 
 # keys traced as [P] arrays when they vary (the epsilon schedule always is: one row a member)
@@ -154,6 +155,9 @@ class PopulationTrainer:
 
     cfg: Config  # the population's config as given (network.support resolved)
     trainer: Trainer
+    # the trainer's backend with the device's launches shared among its members (the phase
+    # programs run them all at once; the trainer's own serves one member's walks)
+    backend: Backend
     members: list[dict]  # population_members(cfg)
     hparams: dict  # varying key -> [P] device array
     schedules: jax.Array  # [P, 6] schedule_values of each member
@@ -166,6 +170,7 @@ class PopulationTrainer:
     compile_ms: float = 0.0
     executables_loaded: int = 0  # programs the last compile() loaded from the executable cache
     validated_params: Any = None  # [P, ...] network parameters of the last validated epoch
+    _ahead: Ahead | None = None  # the next epoch's phases, queued by run_epoch(queue_next=True)
     _env_trainers: dict = dataclasses.field(default_factory=dict)  # member_trainer's, by env
 
     @classmethod
@@ -200,7 +205,8 @@ class PopulationTrainer:
                                                                                 PartitionSpec())
         put = lambda x: jax.device_put(jnp.asarray(x), split)  # noqa: E731
         copy = lambda tree: jax.device_put(tree, whole)  # noqa: E731
-        out = cls(cfg, trainer, members, {k: put(v) for k, v in
+        backend = resolve(trainer.cfg.network, device, copies=len(members) // mesh.size)
+        out = cls(cfg, trainer, backend, members, {k: put(v) for k, v in
                                           member_hparams(members, keys).items()},
                   put(schedules), {}, mesh, copy(trainer.env_params["train"]),
                   copy(trainer.env_params["validation"]),
@@ -244,15 +250,16 @@ class PopulationTrainer:
         Compile."""
         start = time.perf_counter()
         tr = self.trainer
-        learner, backend, cfg = tr.learner, tr.backend, tr.cfg
+        learner, backend, cfg = tr.learner, self.backend, tr.cfg
         whole, split = NamedSharding(self.mesh, PartitionSpec()), self._split
         placed = dict(in_shardings=(whole, split, split, split), out_shardings=(split, split),
                       donate_argnums=1)
-        experience = jax.jit(lambda p, s, e, h: population_experience(
+        # compiled with the single-agent phases' XLA options (jitcache.jit), Training with its own
+        experience = jit(lambda p, s, e, h: population_experience(
             learner, backend, cfg, p, s, e, h), **placed)
-        training = jax.jit(lambda p, s, e, h: population_training(learner, cfg, p, s, e, h),
-                           **placed)
-        validation = jax.jit(lambda p, w, a, h: population_validation(
+        training = jit(lambda p, s, e, h: population_training(learner, cfg, p, s, e, h),
+                       training=True, **placed)
+        validation = jit(lambda p, w, a, h: population_validation(
             learner, backend, cfg, p, w, a, h), in_shardings=(whole, whole, split, split),
             out_shardings=split)
         args = (self.train_env_params, state, self.schedules, self.hparams)
@@ -267,35 +274,44 @@ class PopulationTrainer:
         self.executables_loaded = sum(int(loaded) for _, loaded in built.values())
         self.compile_ms += (time.perf_counter() - start) * 1e3
 
-    def run_epoch(self, state: TrainerState) -> tuple[TrainerState, list[dict], dict]:
+    def run_epoch(self, state: TrainerState, queue_next: bool = False
+                  ) -> tuple[TrainerState, list[dict], dict]:
         """One epoch of every member; returns the state, one record a member (the single-agent
         record with ``member`` and ``seed``), and the validation returns per window ``[P, W]``
-        under ``"window_returns"`` beside the phase times in ``"phase_ms"``."""
+        under ``"window_returns"`` beside the phase times in ``"phase_ms"``.
+
+        ``queue_next``: also queue the next epoch's Experience and Training behind this epoch's
+        Validation, before the members' records are built on the host; the returned state is
+        then ahead, with the single-agent pipeline's rules (:mod:`.pipeline`: pass it to the
+        next ``run_epoch``, never checkpoint it).
+        """
         if not self.programs:
             self.compile(state)
-        programs = self.programs
-        # the three programs are queued back to back and timed by completion clocks, as the
-        # single-agent pipeline times its phases
-        start = time.perf_counter()
-        state, stats = programs["experience"](self.train_env_params, state, self.schedules,
-                                              self.hparams)
-        experience_ready = ready_clock(stats)
-        state, metrics = programs["training"](self.train_env_params, state, self.schedules,
-                                              self.hparams)
-        training_ready = ready_clock(metrics)
-        paths, loss, validated = programs["validation"](
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.state is state:
+            start, queued = ahead.since, ahead.epoch
+        else:
+            start = time.perf_counter()
+            state, queued = self._queue_learning(state)
+        paths, loss, validated = self.programs["validation"](
             self.validation_env_params, self.window_starts, state.agent, self.hparams)
-        validation_ready = ready_clock((paths, loss, validated))
+        validation = Queued((paths, loss), ready_clock((paths, loss, validated)))
+        if queue_next:  # queued after Validation, which reads `state` first
+            state, following = self._queue_learning(state)
+        # the phases timed by completion clocks, as the single-agent pipeline times them
         ends = [start]
-        for ready in (experience_ready, training_ready, validation_ready):
-            ends.append(max(ready(), ends[-1]))
+        for phase in (queued.experience, queued.training, validation):
+            ends.append(max(phase.ready(), ends[-1]))
+        if queue_next:
+            self._ahead = Ahead(state, following, since=ends[-1])
         ms = {name: (end - begin) * 1e3 for name, begin, end in
               zip(("experience", "training", "validation"), ends, ends[1:])}
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0
         ms["total"] = sum(ms.values())
         self.validated_params = validated
-        stats, metrics, paths, loss = jax.device_get((stats, metrics, paths, loss))
+        stats, metrics, paths, loss = jax.device_get((queued.experience.results,
+                                                      queued.training.results, paths, loss))
         records, returns = [], []
         for i in range(self.size):
             pick = lambda tree: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
@@ -304,6 +320,16 @@ class PopulationTrainer:
             records.append({"member": i, "seed": self.seed(i), **rec})
             returns.append(window_returns(validate.equity_paths(pick(paths))["equity"]))
         return state, records, {"phase_ms": ms, "window_returns": np.stack(returns)}
+
+    def _queue_learning(self, state: TrainerState) -> tuple[TrainerState, QueuedEpoch]:
+        """Queues every member's Experience and then Training; Validation is queued by the
+        caller."""
+        state, stats = self.programs["experience"](self.train_env_params, state,
+                                                   self.schedules, self.hparams)
+        experience = Queued(stats, ready_clock(stats))
+        state, metrics = self.programs["training"](self.train_env_params, state, self.schedules,
+                                                   self.hparams)
+        return state, QueuedEpoch(experience, Queued(metrics, ready_clock(metrics)))
 
     def member_params(self, params, index: int):
         """Member ``index``'s slice of ``[P, ...]`` parameters, on the host."""

@@ -82,6 +82,24 @@ def test_the_tuning_follows_the_device():
     assert rows[0] < rows[1] <= h200.q_forward_config("bfloat16").block_rows
 
 
+def test_copies_run_as_one_share_the_multiprocessors():
+    """A launch run for P copies at once under vmap (a population's members) aims for
+    programs / P programs, so each copy's rows go in full-size blocks: the seed's 1024
+    episodes take 16-row blocks alone (64 programs) and 128-row blocks as one of 64 members."""
+    alone = tuning.for_device(GPU)
+    assert tuning.for_device(GPU, copies=1) == alone
+    for copies, programs, rows in ((8, 16, 64), (64, 2, 128), (1000, 1, 128)):
+        shared = tuning.for_device(GPU, copies=copies)
+        assert shared.programs == programs and shared.compiled
+        assert tuning.block_rows_for(1024, shared.rollout_config("bfloat16")) == rows
+        # only the grid target differs
+        assert dataclasses.replace(shared, programs=132, q_forward=alone.q_forward,
+                                   rollout=alone.rollout, rnd=alone.rnd) == alone
+    assert tuning.block_rows_for(1024, alone.rollout_config("bfloat16")) == 16
+    cfg = load_config(None, ["network.dtype=bfloat16"])
+    assert backends.resolve(cfg.network, GPU, copies=64).tuning == tuning.for_device(GPU, 64)
+
+
 def test_block_rows_stay_powers_of_two_within_bounds():
     cfg = tuning.for_device(GPU).q_forward_config("bfloat16")
     for n in (1, 15, 16, 17, 132 * 16, 132 * 16 + 1, 1 << 20):
