@@ -255,9 +255,6 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     epoch = int(state.epoch)
     selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
 
-    def saves(epoch: int) -> bool:
-        return out is not None and (epoch % cfg.train.checkpoint_every == 0 or epoch == epochs)
-
     def queue_after(epoch: int, selection: Selection) -> tuple[bool, int]:
         """(save, queue_next) of the epoch after ``epoch``. Its ``queue_next``
         (:meth:`~foxhunt_jax.training.trainer.Trainer.run_epoch`) counts the epochs after it
@@ -267,9 +264,11 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
         def may_follow(ahead: int) -> bool:  # epoch + ahead + 1 may start after epoch + ahead
             upcoming = epoch + ahead
             may_stop = patience > 0 and selection.stale + ahead >= patience
-            return upcoming < epochs and not saves(upcoming) and not may_stop
+            return (upcoming < epochs and not _checkpointed(out, cfg, upcoming)
+                    and not may_stop)
 
-        return saves(epoch + 1), (2 if may_follow(2) else 1) if may_follow(1) else 0
+        return (_checkpointed(out, cfg, epoch + 1),
+                (2 if may_follow(2) else 1) if may_follow(1) else 0)
 
     if epoch < epochs and not selection.stops(patience):
         log("compiling the phase programs (or loading them from the executable cache) ...")
@@ -668,6 +667,13 @@ def population_line(records: list[dict], epochs: int) -> str:
             f"{np.nanmax(sharpe):+.2f} (member {best})")
 
 
+def _checkpointed(out: Path | None, cfg: Config, epoch: int) -> bool:
+    """Whether a run writing to ``out`` checkpoints its state after ``epoch``: every
+    ``train.checkpoint_every`` epochs and the last (an early stop checkpoints too)."""
+    return out is not None and (epoch % cfg.train.checkpoint_every == 0
+                                or epoch == cfg.train.epochs)
+
+
 def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: bool,
                       log: Callable[[str], None], callbacks: tuple[EpochCallback, ...],
                       final_report: bool, devices: list | None) -> PopulationResult:
@@ -708,15 +714,14 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
         pop.compile(state)
         log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s ({pop.executables_loaded} "
             f"of 3 loaded from the executable cache); state init {pop.init_ms / 1e3:.1f} s")
+
     def queues_after(epoch: int) -> bool:
         """Whether the epoch after ``epoch`` queues the one after it (the single-agent rule:
         not where its state is to be checkpointed or it may be the last)."""
         upcoming = epoch + 1
-        saves = out is not None and (upcoming % cfg.train.checkpoint_every == 0
-                                     or upcoming == epochs)
         may_stop = patience > 0 and all(s.stops(patience) or s.stale + 1 >= patience
                                         for s in selections)
-        return upcoming < epochs and not saves and not may_stop
+        return upcoming < epochs and not _checkpointed(out, cfg, upcoming) and not may_stop
 
     while epoch < epochs and not all(s.stops(patience) for s in selections):
         state, records, extra = pop.run_epoch(state, queue_next=queues_after(epoch))
@@ -736,8 +741,7 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
         if epoch % cfg.train.log_every == 0 or epoch == epochs:
             log(population_line(records, epochs))
         stop = all(s.stops(patience) for s in selections)
-        if out is not None and (epoch % cfg.train.checkpoint_every == 0 or epoch == epochs
-                                or stop):
+        if _checkpointed(out, cfg, epoch) or (out is not None and stop):
             for i in sorted(unsaved):  # selected networks first: a checkpoint names saved ones
                 checkpoint.save(member_selected_dir(out, i), selections[i].epoch,
                                 selected_params[i],
