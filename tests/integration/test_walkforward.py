@@ -179,12 +179,10 @@ def test_data_window_keeps_exactly_its_bars(market_csv):
         load_market([str(path)], window=[str(stamps[0]), str(stamps[63])])
 
 
-def test_a_population_runs_inside_each_fold(tmp_path):
+def test_a_population_runs_inside_each_fold(market_csv, tmp_path):
     """With train.population P each fold trains P members and carries forward the one with the
-    best full-validation Sharpe; the deflated Sharpe counts every epoch of every member. (A
-    fixed market: the programs hold the market's values, so a fresh one would compile them anew
-    on every run; the bookkeeping checked here does not depend on the prices.)"""
-    path = write_csv(bars_frame(WARMUP + 3 * BLOCK, seed=7), tmp_path / "bars.csv")
+    best full-validation Sharpe; the deflated Sharpe counts every epoch of every member."""
+    _, _, path = market_csv
     cfg = load_config("smoke", TINY + [f"data.source=['{path}']", "train.epochs=1",
                                        "train.population=2"])
     report = walkforward(cfg, 1, "sliding", tmp_path / "wf", **OPTIONS)
