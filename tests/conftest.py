@@ -8,6 +8,11 @@ import os
 os.environ.setdefault("FOXHUNT_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
                                                         "foxhunt-jax", "xla-tests"))
 
+import jax  # noqa: E402
+
 from foxhunt_jax.jitcache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(executables=False)
+# every program the tests compile is stored, not only those over the library's 0.5 s: the suite
+# compiles hundreds of small ones (eager ops, parity checks) that a warm run then loads
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -88,10 +88,11 @@ def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_p
     assert res.history == recs
 
 
-def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, capsys):
+    # the uninterrupted run and the refused resume through cli.main in this process; the killed
+    # run and the resume after it in processes of their own
     args = SMOKE + ["--set", "train.epochs=12"]
-    full = cli("train", *args, "--out", str(tmp_path / "full"))
-    assert full.returncode == 0, full.stderr[-2000:]
+    assert main(["train", *args, "--out", str(tmp_path / "full")]) == 0
 
     killed = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -110,8 +111,10 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     assert 4 <= done_before < 12
 
     # another config than the run's is refused, with one line, before anything is written
-    other = cli("train", *args, "--set", "train.batch_size=16", "--out", str(killed), "--resume")
-    assert other.returncode == 2 and "only train.epochs may change" in other.stderr
+    capsys.readouterr()
+    assert main(["train", *args, "--set", "train.batch_size=16", "--out", str(killed),
+                 "--resume"]) == 2
+    assert "only train.epochs may change" in capsys.readouterr().err
     assert len(read_metrics(killed)) == done_before
     # without --config the run continues with its own DIR/config.yaml
     resumed = cli("train", "--no-progress", "--out", str(killed), "--resume")

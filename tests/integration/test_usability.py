@@ -29,11 +29,12 @@ from foxhunt_jax.training.rundir import flatten, read_metrics
 from foxhunt_jax.training.trades import walk_trades
 
 ROOT = Path(__file__).resolve().parents[2]
-# configs/smoke.yaml's sizes, for commands that start from another config
-SMOKE_SIZES = ["env.episode_length=20", "network.trunk=[64,64]", "network.head=32",
-               "replay.capacity=4096", "train.num_episodes=32", "train.train_steps=10",
+# tiny sizes (the suite's shared tiny network), for commands that start from another config
+TINY_SIZES = ["env.episode_length=8", "network.trunk=[16]", "network.head=16",
+               "network.atoms=5", "curiosity.hidden=8", "curiosity.embed=4",
+               "replay.capacity=4096", "train.num_episodes=16", "train.train_steps=2",
                "train.batch_size=32", "train.validation_windows=16",
-               "train.epsilon_decay_epochs=2"]
+               "train.epsilon_decay_epochs=2", "eval.random_policies=8"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_command_line_examples_run(tmp_path, monkeypatch, capsys):
     """Every command of the block in order (bench has its own test), in-process; trains at
-    smoke sizes for one epoch, and the resume trains one more."""
+    tiny sizes for one epoch, and the resume trains one more."""
     monkeypatch.chdir(tmp_path)
     commands = readme_commands()
     assert [c[0] for c in commands].count("train") >= 2 and any("--resume" in c for c in commands)
@@ -289,7 +290,7 @@ def test_readme_command_line_examples_run(tmp_path, monkeypatch, capsys):
         if args[0] == "bench":
             continue
         if args[0] in ("train", "walkforward"):
-            small = ["train.epochs=2"] if "--resume" in args else SMOKE_SIZES + ["train.epochs=1"]
+            small = ["train.epochs=2"] if "--resume" in args else TINY_SIZES + ["train.epochs=1"]
             args = args + [a for s in small for a in ("--set", s)]
         if args[0] == "walkforward":  # two folds of one market shape: its own tests cover more
             folds = args.index("--folds") + 1

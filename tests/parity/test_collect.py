@@ -62,8 +62,8 @@ def test_initial_priorities_equal_the_learners_loss(tables, n_step, limit, overr
     key = jax.random.key(seed + 1)
     rollout = collect.start(adapter, params, key, n)
 
-    @jax.jit
-    def run(r, k):
+    @jax.jit  # the fresh agent is an argument, not a constant: the program hits the cache
+    def run(agent, r, k):
         _, traj = collect.trajectory(learner, XLA, adapter, params, agent.params, r, k,
                                      jnp.float32(0.3), steps)
         r2, items, prio, _, _ = collect.collect(learner, XLA, adapter, params, agent, r, k,
@@ -72,7 +72,7 @@ def test_initial_priorities_equal_the_learners_loss(tables, n_step, limit, overr
                                              traj), items, prio
 
     for window in range(2):
-        rollout, traj, greedy, items, prio = run(rollout, jax.random.fold_in(key, window))
+        rollout, traj, greedy, items, prio = run(agent, rollout, jax.random.fold_in(key, window))
         chex.assert_shape(greedy, (steps, n, len(cfg.env.branch_sizes)))
         if window == 0:
             assert int(jnp.sum(traj["truncated"][:-1])) >= n // 2  # inside the window
@@ -162,16 +162,17 @@ def test_novelty_spans_route_each_pass_to_the_curiosity_kernel_or_xla(tables):
     n, steps = 256, 6
     key = jax.random.key(seed + 1)
     rollout = collect.start(TRADING_ADAPTER, params, key, n)
-    _, traj = jax.jit(lambda r, k: collect.trajectory(learner, XLA, TRADING_ADAPTER, params,
-                                                      agent.params, r, k, jnp.float32(0.3),
-                                                      steps))(rollout, key)
+    _, traj = jax.jit(lambda p, r, k: collect.trajectory(learner, XLA, TRADING_ADAPTER, params,
+                                                         p, r, k, jnp.float32(0.3),
+                                                         steps))(agent.params, rollout, key)
     spans = collect.rollout_spans(pallas, TRADING_ADAPTER, n, steps)
     obs_dim = trading.obs_dim(params)
     kernels = ["pallas_call" in str(jax.make_jaxpr(lambda o: pallas.novelty(agent.rnd, o))(
         jax.ShapeDtypeStruct(((b - a) * n, obs_dim), jnp.float32))) for a, b in spans]
     assert kernels == [True, False]
-    got, want = (jax.jit(lambda e, _b=b: collect.novelty(_b, TRADING_ADAPTER, params, agent.rnd,
-                                                         e, spans))(traj["next_obs"])
+    got, want = (jax.jit(lambda rnd, e, _b=b: collect.novelty(_b, TRADING_ADAPTER, params, rnd,
+                                                              e, spans))(agent.rnd,
+                                                                         traj["next_obs"])
                  for b in (pallas, XLA))
     chex.assert_shape(got, (steps, n))
     scale = float(jnp.max(jnp.abs(want)))

@@ -27,10 +27,15 @@ def fresh_xla_cache(tmp_path):
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     old = jax.config.jax_compilation_cache_dir
+    old_min = jax.config.jax_persistent_cache_min_compile_time_secs
     cc.set_cache_dir(str(tmp_path / "xla"))
+    # the library's threshold (enable_compilation_cache), not the suite's 0 (conftest.py): a
+    # program JAX's cache stored and then serves is not stored in the executable cache
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     cc.reset_cache()
     yield
     cc.set_cache_dir(old)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)
     cc.reset_cache()
 
 

@@ -128,15 +128,17 @@ def test_pipelined_train_steps_equal_sequential_learner_steps(shards):
     decode = lambda it: (it["obs"], it["next_obs"])  # noqa: E731
     key, beta = jax.random.PRNGKey(int(rng.integers(2**31))), jnp.float32(0.5)
 
-    def sequential(a, b):
+    def sequential(a, b, key):
         ms = []
         for kk in jax.random.split(key, k):
             a, b, m = learner_step(learner, decode, a, b, kk, beta)
             ms.append(m)
         return a, b, jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *ms)
 
-    got = jax.jit(lambda a, b: train_steps(learner, decode, a, b, key, beta, k))(agent, buf)
-    want = jax.jit(sequential)(agent, buf)
+    # the fresh key is an argument, not a constant, so the two programs hit the compile cache
+    got = jax.jit(lambda a, b, kk: train_steps(learner, decode, a, b, kk, beta, k))(agent, buf,
+                                                                                   key)
+    want = jax.jit(sequential)(agent, buf, key)
     assert int(got[0].step) == k
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
