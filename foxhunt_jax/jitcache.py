@@ -46,7 +46,6 @@ import sys
 import tempfile
 import threading
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -234,27 +233,12 @@ def _xla_accepts(options: tuple, quiet: bool = False) -> bool:
         return False
 
 
-# jitted function -> a function that jits the same program afresh (compile_cached's recompile)
-_REJIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def jit(fun, *, training: bool = False, **kwargs):
     """``jax.jit`` with the library's :func:`compiler_options` (``training``: those of the
     training program)."""
     import jax
 
-    jitted = jax.jit(fun, compiler_options=compiler_options(training) or None, **kwargs)
-    _REJIT[jitted] = functools.partial(_jit_afresh, fun, training=training, **kwargs)
-    return jitted
-
-
-def _jit_afresh(fun, **kwargs):
-    """:func:`jit` of a new function that calls ``fun``: JAX's in-process caches, keyed by the
-    function, hold nothing of it, so its compile runs XLA."""
-    @functools.wraps(fun)
-    def fresh(*args, **kw):
-        return fun(*args, **kw)
-    return jit(fresh, **kwargs)
+    return jax.jit(fun, compiler_options=compiler_options(training) or None, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -339,10 +323,9 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX ran XLA o
 
 
 def _compile_watching_xla_cache(jitted, args):
-    """``(jitted.lower(*args).compile(), compiled_here, served)``: ``compiled_here``, whether
-    XLA compiled it in this call (JAX ran its backend compile, rather than reusing an
-    executable it already holds in this process, and its persistent cache did not serve that
-    compile); ``served``, whether the persistent cache served it."""
+    """``jitted.lower(*args).compile()`` and whether XLA compiled it in this call: JAX ran its
+    backend compile (rather than reusing an executable it already holds in this process) and
+    its persistent cache did not serve that compile."""
     from jax import monitoring
 
     hits, compiles, me = [], [], threading.get_ident()
@@ -363,7 +346,7 @@ def _compile_watching_xla_cache(jitted, args):
     finally:
         monitoring.unregister_event_listener(on_event)
         monitoring.unregister_event_duration_listener(on_duration)
-    return compiled, bool(compiles) and not hits, bool(hits)
+    return compiled, bool(compiles) and not hits
 
 
 def _read_entry(path: Path) -> bytes | None:
@@ -435,11 +418,9 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
 
     Returns ``(compiled, loaded)``: ``loaded`` is True when the executable came from the cache.
     An entry that fails its digest or cannot be built is compiled again and replaced; an entry
-    or cache folder that is not the user's alone is ignored (one warning) and left as it is.
-    Only executables XLA compiled in this call are stored (see
-    :func:`_compile_watching_xla_cache`): a program of :func:`jit` that JAX's persistent cache
-    served is compiled once more without it; none whose call the entry format cannot
-    describe.
+    or cache folder that is not the user's alone is ignored (one warning) and left as it is. A
+    program that JAX's persistent cache served is not stored (see
+    :func:`_compile_watching_xla_cache`), nor one whose call the entry format cannot describe.
     Off a single process (multi-host runs) the cache is not used: every process must compile
     the same collective program.
     """
@@ -455,20 +436,11 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     compiled, writable = _load(path, args, key)
     if compiled is not None:
         return compiled, True
-    program = make()
-    compiled, compiled_here, served = _compile_watching_xla_cache(program, args)
+    compiled, compiled_here = _compile_watching_xla_cache(make(), args)
     # An executable JAX loaded from its persistent cache does not serialize whole on every
     # platform (on the CPU the copy lacks its fused functions and fails when run), and one JAX
     # reuses from its in-process cache may be such an executable, so only programs XLA
-    # compiled in this call are kept. A program of :func:`jit` that the persistent cache
-    # served is jitted afresh (the same jitted function would return the executable JAX now
-    # holds) and compiled once more without that cache, so that it gets its entry here.
-    rejit = _REJIT.get(program)
-    if writable and served and rejit is not None:
-        from jax._src import config as jax_config  # the state, set for this thread only
-
-        with jax_config.enable_compilation_cache(False):
-            compiled, compiled_here, _ = _compile_watching_xla_cache(rejit(), args)
+    # compiled in this call are kept.
     if writable and compiled_here:
         _store(path, compiled, args, key, name)
     return compiled, False
