@@ -191,6 +191,18 @@ class Ahead:
     since: float  # when this epoch's Validation was seen complete: the next epoch's start
 
 
+def phase_times(start: float, queued: QueuedEpoch) -> tuple[dict, float]:
+    """``({experience, training, validation}: ms, validation_end)`` of ``queued`` (its
+    Validation queued too): each phase from the previous one's completion, Experience from
+    ``start``; a phase seen to end before the one before it counts 0 ms (module docstring).
+    Waits for the three completion clocks."""
+    ends = [start]
+    for phase in (queued.experience, queued.training, queued.validation):
+        ends.append(max(phase.ready(), ends[-1]))
+    names = ("experience", "training", "validation")
+    return {name: (end - begin) * 1e3 for name, begin, end in zip(names, ends, ends[1:])}, ends[-1]
+
+
 class EpochResults(NamedTuple):
     """One epoch's device results, read by the trainer after the next epoch is queued."""
 
@@ -353,14 +365,9 @@ class Pipeline:
             if queue_next >= 2 and following.validation is None and self.pairs_rollouts:
                 state, following = self._queue_validation(state, following, pair=True)
 
-        experience_end = max(queued.experience.ready(), start)
-        training_end = max(queued.training.ready(), experience_end)
-        validation_end = max(queued.validation.ready(), training_end)
+        phase_ms, validation_end = phase_times(start, queued)
         if following is not None:
             self.ahead = Ahead(state, following, since=validation_end)
-        phase_ms = {"experience": (experience_end - start) * 1e3,
-                    "training": (training_end - experience_end) * 1e3,
-                    "validation": (validation_end - training_end) * 1e3}
         metrics, validated_params = queued.training.results
         paths, loss = queued.validation.results
         results = EpochResults(queued.experience.results, metrics, paths, loss,

@@ -42,7 +42,8 @@ from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
-from foxhunt_jax.training.pipeline import Ahead, Queued, QueuedEpoch, ready_clock
+from foxhunt_jax.training.pipeline import (Ahead, Queued, QueuedEpoch, phase_times,
+                                            ready_clock)
 from foxhunt_jax.training.trainer import Trainer
 
 # keys traced as [P] arrays when they vary (the epsilon schedule always is: one row a member)
@@ -295,17 +296,13 @@ class PopulationTrainer:
             state, queued = self._queue_learning(state)
         paths, loss, validated = self.programs["validation"](
             self.validation_env_params, self.window_starts, state.agent, self.hparams)
-        validation = Queued((paths, loss), ready_clock((paths, loss, validated)))
+        queued = queued._replace(validation=Queued((paths, loss),
+                                                   ready_clock((paths, loss, validated))))
         if queue_next:  # queued after Validation, which reads `state` first
             state, following = self._queue_learning(state)
-        # the phases timed by completion clocks, as the single-agent pipeline times them
-        ends = [start]
-        for phase in (queued.experience, queued.training, validation):
-            ends.append(max(phase.ready(), ends[-1]))
+        ms, validation_end = phase_times(start, queued)
         if queue_next:
-            self._ahead = Ahead(state, following, since=ends[-1])
-        ms = {name: (end - begin) * 1e3 for name, begin, end in
-              zip(("experience", "training", "validation"), ends, ends[1:])}
+            self._ahead = Ahead(state, following, since=validation_end)
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0
         ms["total"] = sum(ms.values())
