@@ -366,9 +366,12 @@ def _rebuild(meta: dict, args: tuple, executable) -> tuple[dict, stages.Compiled
                                    no_kwargs=meta["no_kwargs"])
 
 
-def encode(compiled: stages.Compiled, args: tuple, key: str) -> bytes:
+def encode(compiled: stages.Compiled, args: tuple, key: str,
+           payload: bytes | None = None) -> bytes:
     """The entry of ``compiled`` (compiled for ``args``) under cache key ``key``; raises
-    :class:`Unsupported` unless its description decodes back to what JAX built."""
+    :class:`Unsupported` unless its description decodes back to what JAX built. ``payload``:
+    the serialized executable to store (default: ``compiled``'s own serialization; JAX's
+    persistent cache's bytes for an executable that cache served)."""
     meta = _describe(compiled, args)
     meta["key"] = key
     meta = json.loads(json.dumps(meta))  # what a load will read
@@ -383,8 +386,10 @@ def encode(compiled: stages.Compiled, args: tuple, key: str) -> bytes:
             else back == value
         if not same:
             raise Unsupported(f"{name} does not round-trip")
-    xla = unloaded.xla_executable
-    return pack(meta, xla.client.serialize_executable(xla))
+    if payload is None:
+        xla = unloaded.xla_executable
+        payload = xla.client.serialize_executable(xla)
+    return pack(meta, payload)
 
 
 def decode(blob: bytes, args: tuple, key: str) -> stages.Compiled:

@@ -320,14 +320,47 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
 
 _HIT = "/jax/compilation_cache/cache_hits"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX ran XLA or read its cache
+_served = threading.local()  # .payloads: a list while this thread compiles through compile_cached
+_capture_lock = threading.Lock()
+
+
+def _capture_served_payloads() -> None:
+    """Makes JAX's persistent cache hand each serialized executable it reads to the reading
+    thread's ``_served.payloads`` (when that thread set one), once per process.
+
+    The bytes are what XLA serialized when it compiled the program: whole on every platform,
+    where an executable built from them and serialized again is not (on the CPU that copy lacks
+    its fused functions and fails when run). JAX has no public hook for them, so this wraps the
+    module function that splits a cache entry; where that function is missing, nothing is
+    captured and served programs are simply not stored."""
+    from jax._src import compilation_cache as jax_cache
+
+    with _capture_lock:
+        split = getattr(jax_cache, "extract_executable_and_time", None)
+        if split is None or getattr(split, "_foxhunt_capture", False):
+            return
+
+        def capturing(entry):
+            payload, compile_time = split(entry)
+            sink = getattr(_served, "payloads", None)
+            if sink is not None:
+                sink.append(payload)
+            return payload, compile_time
+
+        capturing._foxhunt_capture = True
+        jax_cache.extract_executable_and_time = capturing
 
 
 def _compile_watching_xla_cache(jitted, args):
-    """``jitted.lower(*args).compile()`` and whether XLA compiled it in this call: JAX ran its
-    backend compile (rather than reusing an executable it already holds in this process) and
-    its persistent cache did not serve that compile."""
+    """``jitted.lower(*args).compile()`` and the bytes to store for it: ``None`` to store the
+    executable's own serialization (XLA compiled it in this call: JAX ran its backend compile
+    and its persistent cache did not serve it), the serialized executable JAX's persistent cache
+    served (captured as it was read, :func:`_capture_served_payloads`), or ``False``: do not
+    store (JAX reused an executable it already held in this process, whose origin is unknown,
+    or the cache served one whose bytes were not captured)."""
     from jax import monitoring
 
+    _capture_served_payloads()
     hits, compiles, me = [], [], threading.get_ident()
 
     # JAX records both events in the compiling thread; other threads may compile meanwhile
@@ -341,12 +374,18 @@ def _compile_watching_xla_cache(jitted, args):
 
     monitoring.register_event_listener(on_event)
     monitoring.register_event_duration_secs_listener(on_duration)
+    _served.payloads = payloads = []
     try:
         compiled = jitted.lower(*args).compile()
     finally:
+        _served.payloads = None
         monitoring.unregister_event_listener(on_event)
         monitoring.unregister_event_duration_listener(on_duration)
-    return compiled, bool(compiles) and not hits
+    if not compiles:
+        return compiled, False
+    if not hits:
+        return compiled, None
+    return compiled, (payloads[0] if len(hits) == 1 and len(payloads) == 1 else False)
 
 
 def _read_entry(path: Path) -> bytes | None:
@@ -388,13 +427,14 @@ def _load(path: Path, args, key: str):
     return compiled, True
 
 
-def _store(path: Path, compiled, args, key: str, name: str) -> None:
-    """Writes the entry of ``compiled`` atomically (a private temporary file, then rename)."""
+def _store(path: Path, compiled, args, key: str, name: str, payload: bytes | None) -> None:
+    """Writes the entry of ``compiled`` atomically (a private temporary file, then rename);
+    ``payload``: its serialized executable where not its own serialization."""
     from foxhunt_jax import executable_codec
 
     tmp = None
     try:
-        blob = executable_codec.encode(compiled, args, key)
+        blob = executable_codec.encode(compiled, args, key, payload)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # mode 0600
         with os.fdopen(fd, "wb") as f:
@@ -419,8 +459,11 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     Returns ``(compiled, loaded)``: ``loaded`` is True when the executable came from the cache.
     An entry that fails its digest or cannot be built is compiled again and replaced; an entry
     or cache folder that is not the user's alone is ignored (one warning) and left as it is. A
-    program that JAX's persistent cache served is not stored (see
-    :func:`_compile_watching_xla_cache`), nor one whose call the entry format cannot describe.
+    program that JAX's persistent cache served is stored with the bytes that cache held, so
+    that after a change of this package's code (a new key) the programs JAX still holds are
+    traced and lowered once, not on every run; a program JAX reused in this process is not
+    stored (see :func:`_compile_watching_xla_cache`), nor one whose call the entry format
+    cannot describe.
     Off a single process (multi-host runs) the cache is not used: every process must compile
     the same collective program.
     """
@@ -436,11 +479,7 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     compiled, writable = _load(path, args, key)
     if compiled is not None:
         return compiled, True
-    compiled, compiled_here = _compile_watching_xla_cache(make(), args)
-    # An executable JAX loaded from its persistent cache does not serialize whole on every
-    # platform (on the CPU the copy lacks its fused functions and fails when run), and one JAX
-    # reuses from its in-process cache may be such an executable, so only programs XLA
-    # compiled in this call are kept.
-    if writable and compiled_here:
-        _store(path, compiled, args, key, name)
+    compiled, payload = _compile_watching_xla_cache(make(), args)
+    if writable and payload is not False:
+        _store(path, compiled, args, key, name, payload)
     return compiled, False

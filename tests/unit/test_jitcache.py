@@ -368,8 +368,31 @@ def test_a_planted_pickle_runs_nothing_and_the_program_still_computes(tmp_path):
     assert (second["a"], second["b"]) == (first["a"], first["b"])
 
 
-def test_programs_served_by_the_xla_cache_are_not_stored(exe_dir):
-    class Served:  # a jitted function whose compile JAX's persistent cache answered
+def test_programs_served_by_the_xla_cache_are_stored_with_its_bytes(tmp_path):
+    """After a code change the programs JAX's cache still holds are served by it: the executable
+    cache stores each with the bytes JAX's cache held, and the next fresh process loads it
+    (no tracing) and computes what XLA's own compile does. Processes: JAX's cache alone, then
+    both caches (served, stored), then both again (loaded)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cache = tmp_path / "cache"
+
+    def run(**extra):
+        r = subprocess.run([sys.executable, "-c", PLANTED, str(cache)], capture_output=True,
+                           text=True, timeout=300, env=dict(env, **extra))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    xla_only = run(FOXHUNT_JAX_EXECUTABLE_CACHE="off")
+    assert any(cache.glob("jit_*")) and not (cache / "executables").exists()
+    served = run()
+    assert not served["loaded"] and Path(served["entry"]).exists()
+    loaded = run()
+    assert loaded["loaded"]
+    assert (loaded["a"], loaded["b"]) == (xla_only["a"], xla_only["b"])
+
+
+def test_programs_served_without_their_bytes_are_not_stored(exe_dir):
+    class Served:  # a compile JAX's persistent cache answered, its bytes not seen
         def __init__(self, fn):
             self.fn = fn
 
