@@ -21,27 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def fresh_xla_cache(tmp_path):
-    """An empty JAX persistent cache for this test (XLA compiles every program here; a program
-    that the suite's shared cache served would not be stored), the suite's restored after."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    old = jax.config.jax_compilation_cache_dir
-    old_min = jax.config.jax_persistent_cache_min_compile_time_secs
-    cc.set_cache_dir(str(tmp_path / "xla"))
-    # the library's threshold (enable_compilation_cache), not the suite's 0 (conftest.py): a
-    # program JAX's cache stored and then serves is not stored in the executable cache
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    cc.reset_cache()
-    yield
-    cc.set_cache_dir(old)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)
-    cc.reset_cache()
-
-
-@pytest.fixture
-def exe_dir(tmp_path, monkeypatch, fresh_xla_cache):
-    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest)."""
+def exe_dir(tmp_path, monkeypatch):
+    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest), beside
+    the suite's JAX cache: a program that cache serves is stored as one XLA compiles is."""
     folder = tmp_path / "executables"
     monkeypatch.setattr(jitcache, "_executables", folder)
     return folder
