@@ -1,7 +1,9 @@
 """Test-suite set-up: JAX's persistent compilation cache, so that the CLI subprocesses and the
-in-process runs of one config compile each program once per machine. The executable cache stays
-off in this process: tests monkeypatch library functions, which its keys cannot see (the CLI
-subprocesses use it; test_jitcache.py tests it)."""
+in-process runs of one config compile each program once per machine, and the executable cache
+(foxhunt_jax/jitcache.py), so that a program built again (another run of a config, a resume, the
+report's walks) skips tracing and lowering too. A test that takes ``monkeypatch`` runs without
+the executable cache: its keys cannot see a patched function (test_jitcache.py tests the cache
+itself)."""
 
 import os
 
@@ -9,10 +11,35 @@ os.environ.setdefault("FOXHUNT_JAX_CACHE", os.path.join(os.path.expanduser("~"),
                                                         "foxhunt-jax", "xla-tests"))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
-from foxhunt_jax.jitcache import enable_compilation_cache  # noqa: E402
+from foxhunt_jax import jitcache  # noqa: E402
 
-enable_compilation_cache(executables=False)
+jitcache.enable_compilation_cache()
 # every program the tests compile is stored, not only those over the library's 0.5 s: the suite
 # compiles hundreds of small ones (eager ops, parity checks) that a warm run then loads
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+_EXECUTABLES = jitcache._executables
+
+
+@pytest.fixture(autouse=True)
+def executable_cache_unless_patched(request):
+    """The executable cache as conftest set it, or off (also for the CLI, which turns it on in
+    its process, and for its subprocesses) in a test that takes ``monkeypatch``; set back after
+    every test."""
+    if "monkeypatch" in request.fixturenames:
+        patch = request.getfixturevalue("monkeypatch")
+        patch.setenv("FOXHUNT_JAX_EXECUTABLE_CACHE", "off")
+        jitcache._executables = None
+    yield
+    jitcache._executables = _EXECUTABLES
+
+
+@pytest.fixture
+def in_tmp_path(tmp_path):
+    """``tmp_path`` as the working directory for the test, set back after (``monkeypatch.chdir``
+    would turn the executable cache off)."""
+    before = os.getcwd()
+    os.chdir(tmp_path)
+    yield tmp_path
+    os.chdir(before)

@@ -31,14 +31,6 @@ from foxhunt_jax.data.loader import load_market, synthetic_memory_bytes
 from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.data.synthetic import make_synthetic
 from foxhunt_jax.errors import ConfigError, DataError, FoxhuntError
-from foxhunt_jax.jitcache import enable_compilation_cache
-
-
-@pytest.fixture(autouse=True)
-def executable_cache_stays_off():
-    """``train`` turns the executable cache on in-process; the suite keeps it off (conftest)."""
-    yield
-    enable_compilation_cache(executables=False)
 
 
 def one_error_line(capsys, argv, *needles) -> str:

@@ -309,16 +309,15 @@ def test_latency_measures_library_and_export(run_dir, export_dir):
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/using.md"])
-def test_docs_library_example_runs(doc, run_dir, tmp_path, monkeypatch):
+def test_docs_library_example_runs(doc, run_dir, in_tmp_path):
     text = (ROOT / doc).read_text()
     section = text.split("## Using a trained agent", 1)[1]
     if doc != "README.md":
         section = section.split("### Library", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "runs").mkdir()
-    shutil.copytree(run_dir, tmp_path / "runs" / "smoke")
-    monkeypatch.chdir(tmp_path)
+    (in_tmp_path / "runs").mkdir()
+    shutil.copytree(run_dir, in_tmp_path / "runs" / "smoke")
     scope = {}
     exec(compile(block, doc, "exec"), scope)
     assert scope["decisions"][0]["instrument"] == "AAPL"
-    assert (tmp_path / "runs" / "smoke-policy" / "load_policy.py").exists()
+    assert (in_tmp_path / "runs" / "smoke-policy" / "load_policy.py").exists()

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from foxhunt_jax import api, jitcache
+from foxhunt_jax import api
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError, FoxhuntError
@@ -107,7 +107,7 @@ def full(tmp_path_factory):
     return out, res
 
 
-def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full, capsys, monkeypatch):
+def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full, capsys):
     out, res = full
     recs = read_metrics(out)
     sharpes = [r["val"]["sharpe"] for r in recs]
@@ -137,8 +137,7 @@ def test_selected_epoch_is_the_best_validation_epoch_and_is_reported(full, capsy
     assert metrics["agent"] == pytest.approx(summary["validation"]["agent"], nan_ok=True)
     written = json.loads((out / "report" / "evaluate_validation.json").read_text())
     assert written["agent"]["agent"] == "selected" and written["agent"]["epoch"] == best
-    # the CLI in this process: its executable cache stays off, as conftest keeps it
-    monkeypatch.setattr(jitcache, "enable_compilation_cache", lambda *a, **k: None)
+    # the CLI in this process
     assert main(["evaluate", "--run", str(out), "--split", "validation", "--agent", "last"]) == 0
     assert (f"validation split (full walk, equal-weight portfolio), last agent (epoch {EPOCHS})"
             in capsys.readouterr().out)

@@ -301,12 +301,11 @@ def test_evaluate_command_writes_report(tmp_path):
     assert {"agent", "buy_and_hold", "random"} <= set(payload["metrics"])
 
 
-def test_readme_library_example_runs(tmp_path, monkeypatch):
+def test_readme_library_example_runs(in_tmp_path):
     text = (ROOT / "README.md").read_text()
     block = re.search(r"## As a library\s+```python\n(.*?)```", text, re.S).group(1)
-    monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md", "exec"), {})
-    assert (tmp_path / "runs" / "library-example" / "report" / "summary.json").exists()
+    assert (in_tmp_path / "runs" / "library-example" / "report" / "summary.json").exists()
 
 
 class _Fails:

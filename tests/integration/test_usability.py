@@ -280,10 +280,9 @@ def readme_commands() -> list[list[str]]:
             if line.startswith("foxhunt-jax ")]
 
 
-def test_readme_command_line_examples_run(tmp_path, monkeypatch, capsys):
+def test_readme_command_line_examples_run(in_tmp_path, capsys):
     """Every command of the block in order (bench has its own test), in-process; trains at
     tiny sizes for one epoch, and the resume trains one more."""
-    monkeypatch.chdir(tmp_path)
     commands = readme_commands()
     assert [c[0] for c in commands].count("train") >= 2 and any("--resume" in c for c in commands)
     for args in commands:
@@ -305,8 +304,8 @@ def test_readme_command_line_examples_run(tmp_path, monkeypatch, capsys):
             assert "compiling the phase programs" in captured.out
             assert "final walk of the test split" in captured.out
 
-    report = tmp_path / "runs" / "a" / "report"
-    assert [r["epoch"] for r in read_metrics(tmp_path / "runs" / "a")] == [1, 2]
+    report = in_tmp_path / "runs" / "a" / "report"
+    assert [r["epoch"] for r in read_metrics(in_tmp_path / "runs" / "a")] == [1, 2]
     payload = json.loads((report / "evaluate_test.json").read_text())
     assert (report / "evaluate_test.png").stat().st_size > 0
     with open(report / "evaluate_test_trades.csv", newline="") as f:

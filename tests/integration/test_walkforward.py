@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from foxhunt_jax import api, jitcache
+from foxhunt_jax import api
 from foxhunt_jax.cli import main
 from foxhunt_jax.config import load_config
 from foxhunt_jax.data.loader import load_market
@@ -117,8 +117,7 @@ def test_stitched_curve_covers_exactly_the_test_blocks(market_csv, finished):
         assert (out / f"fold_{k}" / "report" / "summary.json").is_file()
 
 
-def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, capsys,
-                                                        monkeypatch):
+def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, capsys):
     _, _, path = market_csv
     cfg, report, out = finished
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
@@ -128,8 +127,7 @@ def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, c
         walkforward(cfg, 2, "expanding", out, resume=True, **OPTIONS)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     # the command, resumed: both folds are finished, so no epoch is trained and the same
-    # report is written again (the executable cache stays off in-process, conftest.py)
-    monkeypatch.setattr(jitcache, "enable_compilation_cache", lambda: None)
+    # report is written again
     sets = [a for t in TINY for a in ("--set", t)]
     capsys.readouterr()
     assert main(["walkforward", "--config", "smoke", *sets, "--data", str(path), "--folds", "2",
