@@ -129,6 +129,19 @@ def _folder_trusted(folder: Path, entries: bool = False) -> bool:
     return False
 
 
+def executable_cache_folder() -> Path | None:
+    """The folder of this process's executable cache, or None while it is off."""
+    return _executables
+
+
+def set_executable_cache(folder: str | Path | None) -> None:
+    """Points this process's executable cache at ``folder`` (None: off), JAX's cache left as it
+    is: for a caller that must run a while without it (code its keys cannot see, such as a
+    monkeypatched function) and then put back what :func:`executable_cache_folder` returned."""
+    global _executables
+    _executables = None if folder is None else Path(folder)
+
+
 def enable_compilation_cache(path: str | None = None, executables: bool = True) -> str | None:
     """Turns on JAX's persistent cache and (``executables``) the executable cache in ``path``
     (default: ``$FOXHUNT_JAX_CACHE`` or ``~/.cache/foxhunt-jax/xla``); returns the folder, or
@@ -136,7 +149,8 @@ def enable_compilation_cache(path: str | None = None, executables: bool = True) 
     warning, and JAX's settings stay as they were).
 
     The executable cache cannot see Python-level changes that leave the source files alone
-    (a monkeypatched function): the test suite, which does that, keeps it off in-process.
+    (a monkeypatched function): the test suite turns it off for its tests that do that
+    (:func:`set_executable_cache`).
     """
     global _executables
     where = path or os.environ.get("FOXHUNT_JAX_CACHE") or str(Path.home() / ".cache/foxhunt-jax/xla")

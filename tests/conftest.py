@@ -19,7 +19,7 @@ jitcache.enable_compilation_cache()
 # every program the tests compile is stored, not only those over the library's 0.5 s: the suite
 # compiles hundreds of small ones (eager ops, parity checks) that a warm run then loads
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-_EXECUTABLES = jitcache._executables
+_EXECUTABLES = jitcache.executable_cache_folder()
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +30,9 @@ def executable_cache_unless_patched(request):
     if "monkeypatch" in request.fixturenames:
         patch = request.getfixturevalue("monkeypatch")
         patch.setenv("FOXHUNT_JAX_EXECUTABLE_CACHE", "off")
-        jitcache._executables = None
+        jitcache.set_executable_cache(None)
     yield
-    jitcache._executables = _EXECUTABLES
+    jitcache.set_executable_cache(_EXECUTABLES)
 
 
 @pytest.fixture

@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def exe_dir(tmp_path, monkeypatch):
-    """The executable cache on, in a fresh folder (the suite keeps it off, see conftest), beside
-    the suite's JAX cache: a program that cache serves is stored as one XLA compiles is."""
-    folder = tmp_path / "executables"
-    monkeypatch.setattr(jitcache, "_executables", folder)
-    return folder
+def exe_dir(tmp_path):
+    """The executable cache on, in a fresh folder, beside the suite's JAX cache: a program that
+    cache serves is stored as one XLA compiles is."""
+    folder, saved = tmp_path / "executables", jitcache.executable_cache_folder()
+    jitcache.set_executable_cache(folder)
+    yield folder
+    jitcache.set_executable_cache(saved)
 
 
 def _strip(rec):
@@ -129,7 +130,6 @@ def test_jit_passes_the_options_to_every_compile(monkeypatch):
 def test_only_the_autotuning_cache_rides_with_the_persistent_cache(tmp_path, monkeypatch):
     updates = {}
     monkeypatch.setattr(jax.config, "update", lambda k, v: updates.__setitem__(k, v))
-    monkeypatch.setattr(jitcache, "_executables", None)
     jitcache.enable_compilation_cache(str(tmp_path), executables=False)
     assert updates["jax_compilation_cache_dir"] == str(tmp_path)
     assert updates["jax_persistent_cache_enable_xla_caches"] == jitcache.XLA_CACHES
@@ -140,17 +140,17 @@ def test_a_temporary_cache_takes_the_compiles_and_gives_the_settings_back(tmp_pa
     folder even after JAX opened another one, and the process's settings come back after it,
     so nothing later writes into a folder that is gone."""
     saved = {n: getattr(jax.config, n) for n in jitcache._JAX_CACHE_SETTINGS}
-    saved_exe = jitcache._executables
+    saved_exe = jitcache.executable_cache_folder()
     for i in range(2):
         where = tmp_path / f"cache{i}"
         with jitcache.compilation_cache_in(str(where)):
-            assert jitcache._executables == where / "executables"
+            assert jitcache.executable_cache_folder() == where / "executables"
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
             jax.jit(lambda x, i=i: jnp.cos(x) * (i + 2.5) + x).lower(
                 jnp.ones(11 + i)).compile()
         assert [p for p in where.iterdir() if p.is_file()], f"nothing written to {where}"
         assert {n: getattr(jax.config, n) for n in jitcache._JAX_CACHE_SETTINGS} == saved
-        assert jitcache._executables == saved_exe
+        assert jitcache.executable_cache_folder() == saved_exe
 
 
 def _entry_args():
@@ -268,12 +268,12 @@ def test_entries_and_folders_others_can_write_are_ignored(exe_dir, capfd, tmp_pa
 def test_a_cache_folder_others_can_write_is_not_used(tmp_path, capfd, monkeypatch):
     updates = {}
     monkeypatch.setattr(jax.config, "update", lambda k, v: updates.__setitem__(k, v))
-    monkeypatch.setattr(jitcache, "_executables", tmp_path / "was_on")
+    jitcache.set_executable_cache(tmp_path / "was_on")  # the autouse fixture puts it back
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     assert jitcache.enable_compilation_cache(str(shared)) is None
-    assert updates == {} and jitcache._executables is None  # JAX is not pointed at it
+    assert updates == {} and jitcache.executable_cache_folder() is None  # nor JAX at it
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith("warning: compilation cache") and str(shared) in line
     # an open folder holding an entry others can write (JAX reads its entries unchecked)
@@ -420,8 +420,8 @@ def test_least_recently_used_entries_are_evicted(tmp_path):
     assert jitcache.evict(tmp_path, 200) == []
 
 
-def test_cache_off_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(jitcache, "_executables", None)
+def test_cache_off_writes_nothing(tmp_path):
+    jitcache.set_executable_cache(None)  # the autouse fixture puts it back
     c, loaded = jitcache.compile_cached(_tiny(), (jnp.ones((2, 3)), jnp.ones((3, 1))),
                                         name="tiny", config={})
     assert not loaded and not list(tmp_path.iterdir())
