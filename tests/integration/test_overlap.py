@@ -9,6 +9,7 @@ from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
+from records import without_timing
 
 TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
         "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
@@ -18,10 +19,6 @@ TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.h
 
 def tiny(*more):
     return load_config("smoke", TINY + list(more))
-
-
-def without_timing(records):
-    return [{k: v for k, v in r.items() if k != "phase_ms"} for r in records]
 
 
 def assert_trees_equal(a, b):

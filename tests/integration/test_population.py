@@ -16,7 +16,9 @@ from foxhunt_jax import api
 from foxhunt_jax.config import load_config, member_config, population_members
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training.population import PopulationTrainer
+from foxhunt_jax.training.rundir import read_metrics
 from foxhunt_jax.training.trainer import Trainer
+from records import without_timing
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["network.backend=xla", "network.dtype=float32", "network.trunk=[16]", "network.head=8",
@@ -80,8 +82,7 @@ def test_resume_is_exact_for_every_member(tmp_path):
     for a, b in zip(leaves(whole.state), leaves(resumed.state)):
         np.testing.assert_array_equal(a, b)
     assert [s.to_json() for s in whole.selections] == [s.to_json() for s in resumed.selections]
-    records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "phase_ms"}
-                           for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    records = lambda run: without_timing(read_metrics(tmp_path / run))
     assert records("whole") == records("split")
     assert sorted({(r["member"], r["epoch"]) for r in records("whole")}) == [
         (m, e) for m in (0, 1) for e in (1, 2, 3)]

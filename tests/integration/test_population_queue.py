@@ -6,14 +6,11 @@ import numpy as np
 
 from foxhunt_jax.config import load_config
 from foxhunt_jax.training.population import PopulationTrainer
+from records import without_timing
 
 TINY = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
         "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
         "train.train_steps=2", "train.population=2", 'population.grid=["train.gamma=0.9,0.99"]']
-
-
-def without_timing(records):
-    return [{k: v for k, v in r.items() if k != "phase_ms"} for r in records]
 
 
 def test_queued_population_epochs_give_the_same_records_and_state():

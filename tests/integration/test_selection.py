@@ -19,6 +19,7 @@ from foxhunt_jax.policy.policy import Policy
 from foxhunt_jax.training import checkpoint, report
 from foxhunt_jax.training.rundir import read_metrics
 from foxhunt_jax.training.selection import Selection
+from records import without_timing
 from test_report import read_events, visible_scalars
 
 EPOCHS = 6
@@ -179,8 +180,7 @@ def test_resume_selects_what_an_uninterrupted_run_selects(full, tmp_path):
     assert checkpoint.latest_step(run / "checkpoints") == 4 and len(read_metrics(run)) == 5
     resumed = api.train(cfg, run, resume=True, final_report=False, **QUIET)
     assert resumed.selection == res.selection
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "phase_ms"} for r in rs]  # noqa: E731
-    assert strip(read_metrics(run)) == strip(read_metrics(out))
+    assert without_timing(read_metrics(run)) == without_timing(read_metrics(out))
     best = res.selection.epoch
     assert_same_tree(params_of(run, best), params_of(out, best))
     assert checkpoint.all_steps(run / checkpoint.SELECTED_DIR) == checkpoint.all_steps(

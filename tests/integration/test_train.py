@@ -25,6 +25,7 @@ from foxhunt_jax.errors import NonFiniteError
 from foxhunt_jax.training import checkpoint, phases, pipeline
 from foxhunt_jax.training.trainer import Trainer
 from foxhunt_jax.training.rundir import read_metrics
+from records import without_timing
 from test_report import read_events, visible_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +38,6 @@ def cli(*args, timeout=400, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "foxhunt_jax", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, **kw)
-
-
-def without_timing(records):
-    return [{k: v for k, v in r.items() if k != "phase_ms"} for r in records]
 
 
 def test_run_directory_holds_config_metrics_tensorboard_checkpoints_report(tmp_path):
