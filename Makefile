@@ -9,8 +9,10 @@ ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
+	# the build backend (pyproject's build-system) is already in the environment: no isolated
+	# build environment to create for the editable install
+	$(VENV)/bin/python -m pip install --quiet --no-build-isolation -e ".[test]"
 	@touch $(STAMP)
 
 train: $(STAMP)
