@@ -104,8 +104,36 @@ def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
             and (mesh is None or mesh.size == 1))
 
 
+# Settings no phase program reads: the epoch schedules reach the programs as an argument
+# (learner.schedule_values), the run's key is part of the state, and the rest concerns the run
+# around the programs (selection, stopping, checkpoints, printing, the final report, the
+# population's members). Runs that differ only in these share their phase programs;
+# tests/integration/test_train.py lowers the programs of two such configs and compares them.
+RUN_SETTINGS = ("train.seed", "train.epochs", "train.epsilon_start", "train.epsilon_end",
+                "train.epsilon_decay_epochs", "train.select_by", "train.patience",
+                "train.checkpoint_every", "train.log_every", "replay.beta_start",
+                "replay.beta_end", "eval", "population")
+
+
+def without_run_settings(cfg: Config) -> Config:
+    """``cfg`` with every :data:`RUN_SETTINGS` entry (a key, or a whole section) at its
+    default."""
+    default = Config()
+    sections = {}
+    for entry in RUN_SETTINGS:
+        section, _, key = entry.partition(".")
+        if not key:
+            sections[section] = getattr(default, section)
+            continue
+        current = sections.get(section, getattr(cfg, section))
+        sections[section] = dataclasses.replace(
+            current, **{key: getattr(getattr(default, section), key)})
+    return dataclasses.replace(cfg, **sections)
+
+
 def program_key_config(cfg: Config, name: str) -> Config:
-    """The config that keys phase program ``name`` in the executable cache.
+    """The config that keys phase program ``name`` in the executable cache: without its
+    :data:`RUN_SETTINGS` (:func:`without_run_settings`).
 
     The training program leaves ``network.backend`` out: the update always runs the Flax layers,
     so both backends lower it to the same program (a test compares them) and a run of either
@@ -113,6 +141,7 @@ def program_key_config(cfg: Config, name: str) -> Config:
     only decide whether the ``validation_experience`` and ``overlapped`` programs exist, so the
     other programs' keys leave them out.
     """
+    cfg = without_run_settings(cfg)
     if name != PAIRED_PROGRAM:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pair_rollouts=False))
     if name != OVERLAPPED_PROGRAM:

@@ -319,3 +319,31 @@ def test_phase_ready_time_is_after_the_results_and_passes_a_failure_on():
     assert t0 <= done() <= time.perf_counter()
     with pytest.raises(RuntimeError, match="device program failed"):
         pipeline.ready_clock([_Fails()])()
+
+
+def test_run_settings_leave_the_phase_programs_unchanged():
+    """Two configs that differ in every ``pipeline.RUN_SETTINGS`` entry lower each phase program
+    to the same text, so the executable cache may serve one run's programs to the other (their
+    keys are equal)."""
+    sizes = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
+             "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
+             "train.train_steps=2", "train.batch_size=16", "train.validation_windows=4",
+             "replay.capacity=1024"]
+    run = ["train.seed=5", "train.epochs=9", "train.epsilon_start=0.5", "train.epsilon_end=0.2",
+           "train.epsilon_decay_epochs=3", "train.select_by=loss", "train.patience=2",
+           "train.checkpoint_every=3", "train.log_every=2", "replay.beta_start=0.3",
+           "replay.beta_end=0.9", "eval.random_policies=7", "population.seed=4"]
+    base, other = load_config("smoke", sizes), load_config("smoke", sizes + run)
+    for entry in pipeline.RUN_SETTINGS:  # the second config changes every entry
+        section, _, key = entry.partition(".")
+        a, b = getattr(base, section), getattr(other, section)
+        assert (getattr(a, key) != getattr(b, key)) if key else a != b, entry
+    texts = []
+    for cfg in (base, other):
+        trainer = Trainer.build(cfg)
+        programs = trainer.pipeline.jitted_programs(trainer.init_state(), queued=True)
+        texts.append({name: program.lower(*args).as_text()
+                      for name, (program, args) in programs.items()})
+        assert all(pipeline.program_key_config(cfg, name) ==
+                   pipeline.program_key_config(base, name) for name in programs)
+    assert texts[0].keys() == texts[1].keys() and texts[0] == texts[1]
