@@ -237,7 +237,7 @@ def test_train_queues_two_epochs_ahead_only_between_checkpoints(tmp_path, monkey
     where no checkpoint falls in between; the records and checkpoints equal an unqueued run's."""
     cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
                                 "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
-                                "train.num_episodes=16", "train.train_steps=2", "train.epochs=3",
+                                "train.num_episodes=16", "train.train_steps=2", "train.epochs=6",
                                 "train.checkpoint_every=3"])
     queues, run_epoch = [], Trainer.run_epoch
 
@@ -249,17 +249,18 @@ def test_train_queues_two_epochs_ahead_only_between_checkpoints(tmp_path, monkey
     monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: True)
     paired = api.train(cfg, tmp_path / "paired", progress=False, log=lambda s: None,
                        final_report=False)
-    assert queues == [2, 1, 0]
+    assert queues == [2, 1, 0, 2, 1, 0]  # queueing starts again after the checkpoint
     monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: False)
     del queues[:]
     plain = api.train(cfg, tmp_path / "plain", progress=False, log=lambda s: None,
                       final_report=False)
-    assert queues == [2, 1, 0]  # where nothing is paired, 2 acts as 1
+    assert queues == [2, 1, 0, 2, 1, 0]  # where nothing is paired, 2 acts as 1
     assert without_timing(paired.history) == without_timing(plain.history)
-    saved = [checkpoint.restore(tmp_path / run / "checkpoints", 3, paired.trainer.init_state())[0]
-             for run in ("paired", "plain")]
-    for a, b in zip(*map(jax.tree.leaves, saved)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for step in (3, 6):
+        saved = [checkpoint.restore(tmp_path / run / "checkpoints", step,
+                                    paired.trainer.init_state())[0] for run in ("paired", "plain")]
+        for a, b in zip(*map(jax.tree.leaves, saved)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_cli_diverging_run_exits_nonzero_with_one_line(tmp_path):
