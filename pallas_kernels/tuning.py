@@ -106,14 +106,14 @@ class Tuning:
 
 # The Q-forward: bfloat16 at 128 rows and 8 warps (fewer warps wait on tensor-core tiles; 2 warps
 # spill), weight blocks of 128 columns read two ahead; float32 operands are twice the bytes, so
-# half the rows. The rollout kernel reads whole weight blocks as used: a timestep is bound by
-# moving the weights through one multiprocessor, not by waiting for them. The curiosity kernel
-# takes the bfloat16 Q-forward's rows and warps.
+# half the rows. The rollout kernel runs the same forward each timestep and takes the same
+# shapes: reading ahead pays where its blocks are full (a population's 128-row blocks) and costs
+# nothing at a single agent's 16. The curiosity kernel takes the bfloat16 Q-forward's rows and
+# warps.
 _Q_FORWARD = {"float32": KernelConfig(block_rows=64, num_warps=8, max_chunk=MAX_CHUNK["float32"]),
               "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8, max_chunk=128,
                                        lookahead=2)}
-_ROLLOUT = {dtype: dataclasses.replace(cfg, max_chunk=MAX_CHUNK[dtype], lookahead=0)
-            for dtype, cfg in _Q_FORWARD.items()}
+_ROLLOUT = _Q_FORWARD
 _RND = KernelConfig(block_rows=128, num_warps=8)
 ROLLOUT_MAX_EPISODES = 1 << 15
 _REPLAY_GPU = ReplaySearch(count_max=1 << 24)

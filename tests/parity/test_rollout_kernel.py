@@ -188,7 +188,7 @@ def test_fused_evaluation_equals_scan(tables, overrides):
 
 
 def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
-    """``KernelConfig.lookahead`` (on for the Q-forward, off for the rollout by default) only
+    """``KernelConfig.lookahead`` (two blocks ahead by default in bfloat16) only
     moves the weight loads earlier: both modes give bit-equal results with 16-wide blocks."""
     _, params, learner = _setup(tables, "pallas")
     agent = _agent(learner, params, int(np.random.default_rng().integers(1 << 30)))
