@@ -248,8 +248,13 @@ class Trainer:
         """
         split_params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env,
                                                                    split)
-        steps, learner, backend = int(lengths.max()), self.learner, self.backend
-        walk = (jnp.asarray(starts), jnp.asarray(lengths))
+        # validation and test walk the same steps and rows (validate.walk_length, walk_rows), so
+        # both run one set of programs; the results are cut to this split's own
+        steps, own = split_params.episode_length, int(lengths.max())
+        learner, backend = self.learner, self.backend
+        walk = tuple(map(jnp.asarray, validate.shared_walks(
+            starts, lengths, validate.walk_rows(self.tables, split))))
+        split_params = split_params.replace(starts=walk[0])
         branch_sizes, policies = self.cfg.env.branch_sizes, self.cfg.eval.random_policies
 
         def run_greedy(env_params, network_params, key, walk_starts, walk_lengths):
@@ -273,8 +278,8 @@ class Trainer:
             return compiled(*args)
 
         def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
-            return dict(validate.equity_paths(traj),
-                        action=np.swapaxes(np.asarray(traj["action"]), 0, 1))
+            traj = validate.own_walks(traj, len(starts), own, walk_axis=1, time_axis=0)
+            return dict(validate.equity_paths(traj), action=np.swapaxes(traj["action"], 0, 1))
 
         paths = {"agent": walked(walk_with("agent", run_greedy, split_params, agent.params,
                                            jax.random.key(seed), *walk))}
@@ -284,8 +289,9 @@ class Trainer:
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
                                                             lengths)
         paths["flat"] = validate.flat_paths(lengths)
-        random = validate.walk_paths(walk_with("random", run_random, split_params,
-                                               jax.random.key(seed + 1), *walk))
+        random = validate.walk_paths(validate.own_walks(walk_with(
+            "random", run_random, split_params, jax.random.key(seed + 1), *walk), len(starts),
+            own, walk_axis=1, time_axis=2))
 
         dates = validate.walk_dates(self.tables.timestamps, starts, lengths)
         names = [self.tables.instrument_names[int(self.tables.instrument[s])] for s in starts]

@@ -288,10 +288,61 @@ def is_synthetic(market) -> bool:
                                             for ins in market.instruments)
 
 
-def evaluation_params(tables, env_cfg, split: str):
-    """Env params for walking each instrument of ``split`` from its first bar to its last."""
+# splits whose full walks run the same number of steps (:func:`walk_length`)
+SHARED_WALK_SPLITS = ("validation", "test")
+
+
+def _segment_lengths(tables, split: str) -> np.ndarray:
     seg = tables.segments[split]
-    lengths = (seg[:, 1] - seg[:, 0]).astype(np.int32)
+    return (seg[:, 1] - seg[:, 0]).astype(np.int32)
+
+
+def walk_length(tables, split: str) -> int:
+    """The steps of a full walk of ``split`` (:func:`evaluation_params`): the most bars an
+    instrument has in it. The validation and test splits both take the longer of theirs, so
+    their walks run the same compiled programs; a walk's steps after an instrument's last bar
+    leave its paths as they are (it is frozen), and the step keys are a prefix of a longer
+    walk's (``jax_threefry_partitionable``), so the paths equal a walk of the split's own
+    length."""
+    group = SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
+    return max(int(_segment_lengths(tables, s).max(initial=0)) for s in group)
+
+
+def evaluation_params(tables, env_cfg, split: str):
+    """``(env_params, starts [W], lengths [W])`` for walking each instrument of ``split`` from its
+    first bar to its last: ``env_params.episode_length`` is :func:`walk_length` (the steps to
+    run), and ``env_params.starts`` holds the walks' first bars (a walk never draws a start;
+    :meth:`~foxhunt_jax.training.trainer.Trainer.evaluate_split` puts its
+    :func:`shared_walks` there)."""
+    seg, lengths = tables.segments[split], _segment_lengths(tables, split)
     keep = lengths >= 1
-    long_cfg = dataclasses.replace(env_cfg, episode_length=int(lengths[keep].max()))
-    return trading.make_params(tables, long_cfg, split), seg[keep, 0].astype(np.int32), lengths[keep]
+    starts = seg[keep, 0].astype(np.int32)
+    long_cfg = dataclasses.replace(env_cfg, episode_length=walk_length(tables, split))
+    params = trading.make_params(tables, long_cfg, split).replace(starts=jnp.asarray(starts))
+    return params, starts, lengths[keep]
+
+
+def walk_rows(tables, split: str) -> int:
+    """How many walks a full walk of ``split`` runs at once: the instruments with a bar in it;
+    the validation and test splits both take the larger count (:func:`walk_length`'s reason),
+    the extra rows walking nothing (:func:`shared_walks`)."""
+    group = SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
+    return max(int((_segment_lengths(tables, s) >= 1).sum()) for s in group)
+
+
+def shared_walks(starts: np.ndarray, lengths: np.ndarray, rows: int):
+    """``(starts, lengths)`` ``[rows]``: the split's walks, then walks of length 0 (from the
+    first start) up to ``rows``; a walk of length 0 never steps, and no other walk's draws
+    depend on it (the draws of row ``w`` are those of a narrower walk's row ``w``)."""
+    extra = rows - len(starts)
+    return (np.pad(starts, (0, extra), mode="edge").astype(np.int32),
+            np.pad(lengths, (0, extra)).astype(np.int32))
+
+
+def own_walks(tree, walks: int, steps: int, walk_axis: int, time_axis: int) -> dict:
+    """Every array of ``tree`` (a shared walk's results) as host NumPy cut to the first
+    ``walks`` along ``walk_axis`` and the first ``steps`` along ``time_axis``: what a walk of the
+    split's own instruments and length returns."""
+    cut = [slice(None)] * (max(walk_axis, time_axis) + 1)
+    cut[walk_axis], cut[time_axis] = slice(0, walks), slice(0, steps)
+    return jax.tree.map(lambda x: np.asarray(x)[tuple(cut)], tree)

@@ -348,3 +348,57 @@ def test_run_settings_leave_the_phase_programs_unchanged():
         assert all(pipeline.program_key_config(cfg, name) ==
                    pipeline.program_key_config(base, name) for name in programs)
     assert texts[0].keys() == texts[1].keys() and texts[0] == texts[1]
+
+
+# validation shorter than test, so the validation walks run past their own length
+UNEQUAL_SPLITS = ["data.splits=[0.7,0.12,0.18]"]
+
+
+def _walk_results(trainer, agent, split):
+    res = trainer.evaluate_split(agent, split)
+    return res["metrics"], res["paths"], res["curves"]
+
+
+def test_validation_and_test_walks_share_their_programs(tmp_path):
+    """Both splits walk ``validate.walk_length`` steps and ``walk_rows`` instruments, so the test
+    split's walks load the programs the validation split's stored: one entry a program in the
+    executable cache."""
+    from foxhunt_jax import jitcache
+    from foxhunt_jax.training import validate
+
+    trainer = Trainer.build(load_config("smoke", UNEQUAL_SPLITS))
+    tables = trainer.tables
+    own = {s: int(validate.evaluation_params(tables, trainer.cfg.env, s)[2].max())
+           for s in ("validation", "test")}
+    assert own["validation"] < own["test"]
+    assert validate.walk_length(tables, "validation") == validate.walk_length(tables, "test") \
+        == own["test"]
+    assert validate.walk_rows(tables, "validation") == validate.walk_rows(tables, "test")
+    agent = trainer.init_state().agent
+    before = jitcache.executable_cache_folder()
+    jitcache.set_executable_cache(tmp_path)
+    try:
+        for split in ("validation", "test"):
+            _walk_results(trainer, agent, split)
+    finally:
+        jitcache.set_executable_cache(before)
+    names = sorted(p.name.split("-")[0] for p in tmp_path.glob(f"*{jitcache.ENTRY_SUFFIX}"))
+    assert names == ["evaluate_agent", "evaluate_random"]
+
+
+def test_a_walk_past_the_split_s_end_gives_the_split_s_own_walk(monkeypatch):
+    """The validation split walked for the test split's length and instruments, its results
+    cut to its own: the same paths, curves and metrics as a walk of its own."""
+    from foxhunt_jax.training import validate
+
+    trainer = Trainer.build(load_config("smoke", UNEQUAL_SPLITS))
+    agent = trainer.init_state(seed=5).agent
+    shared = _walk_results(trainer, agent, "validation")
+    own = validate.walk_length
+    _, starts, lengths = validate.evaluation_params(trainer.tables, trainer.cfg.env, "validation")
+    assert int(lengths.max()) < own(trainer.tables, "validation")
+    assert len(starts) < validate.walk_rows(trainer.tables, "validation")
+    monkeypatch.setattr(validate, "walk_length", lambda tables, split: int(lengths.max()))
+    monkeypatch.setattr(validate, "walk_rows", lambda tables, split: len(starts))
+    alone = _walk_results(trainer, agent, "validation")
+    jax.tree.map(np.testing.assert_array_equal, shared, alone)
