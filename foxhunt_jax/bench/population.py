@@ -1,7 +1,8 @@
 """The ``population`` section: the seed workload trained as populations of P agents in one
 program (:mod:`foxhunt_jax.training.population`), P from ``--population-sizes``: the epoch's
-median time, agent-epochs per second and the state's bytes per member. P = 1 is the
-single-agent trainer itself (the path a run without ``train.population`` takes)."""
+median time and its phases' medians, agent-epochs per second and the state's bytes per member.
+P = 1 is the single-agent trainer itself (the path a run without ``train.population`` takes;
+its Validation holds the next epoch's Experience where the two rollouts are paired)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import jax
 from foxhunt_jax.bench.common import Deadline, build_trainer, spread, variant_cfg
 from foxhunt_jax.bench.seed import time_epochs
 from foxhunt_jax.training.population import PopulationTrainer
+
+
+PHASES = ("experience", "training", "validation")
 
 
 def state_bytes(state) -> int:
@@ -25,15 +29,18 @@ def time_population(cfg, market, epochs: int, warmup: int) -> dict:
     the host builds the per-member records)."""
     pop = PopulationTrainer.build(cfg, market=market)
     state = pop.init_state()
-    size, totals, first = pop.size, [], None
+    phases = {k: [] for k in PHASES}
+    first = None
     for e in range(warmup + epochs):  # each epoch queues the next, as training does
         state, _, extra = pop.run_epoch(state, queue_next=e + 1 < warmup + epochs)
         ms = extra["phase_ms"]
         first = first or ms
         if e >= warmup:  # the device phases, as the seed section's total
-            totals.append(ms["experience"] + ms["training"] + ms["validation"])
-    return {"epoch_ms": spread(totals), "compile_ms": first["compile"],
-            "state_bytes_per_member": state_bytes(state) / size}
+            for k in PHASES:
+                phases[k].append(ms[k])
+    return {"epoch_ms": spread([sum(t) for t in zip(*phases.values())]),
+            "phase_ms": {k: spread(v) for k, v in phases.items()},
+            "compile_ms": first["compile"], "state_bytes_per_member": state_bytes(state) / pop.size}
 
 
 def time_single(cfg, market, epochs: int, warmup: int) -> dict:
@@ -41,8 +48,9 @@ def time_single(cfg, market, epochs: int, warmup: int) -> dict:
     tr = build_trainer(cfg, market)
     state = tr.init_state()
     phases, first, _ = time_epochs(tr, state, epochs, warmup)
-    return {"epoch_ms": spread(phases["total"]), "compile_ms": first.get("compile", 0.0),
-            "state_bytes_per_member": state_bytes(state)}
+    return {"epoch_ms": spread(phases["total"]),
+            "phase_ms": {k: spread(phases[k]) for k in PHASES},
+            "compile_ms": first.get("compile", 0.0), "state_bytes_per_member": state_bytes(state)}
 
 
 def section_population(args, out: dict, deadline: Deadline, market) -> None:

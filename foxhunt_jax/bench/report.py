@@ -103,13 +103,16 @@ def tables(res: dict) -> str:
     if pop.get("rows"):
         lines += ["", f"Populations ({pop['config']}, {pop['variant']}, one program a phase; "
                       f"median of {pop['epochs']} epochs after {pop['warmup']} warm-up)",
-                  "| P | epoch ms | x P=1 | agent-epochs/s | MiB a member |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+                  "| P | epoch ms | Experience | Training | Validation | x P=1 | agent-epochs/s"
+                  " | MiB a member |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in pop["rows"]:
             if "epoch_ms" not in r:
-                lines.append(f"| {r['population']} | error: {r.get('error', '')[:80]} ||||")
+                lines.append(f"| {r['population']} | error: {r.get('error', '')[:80]} |||||||")
                 continue
+            phase = lambda k: _f(r.get("phase_ms", {}).get(k, {}).get("median"))  # noqa: E731
             lines.append(f"| {r['population']} | {r['epoch_ms']['median']:.2f} | "
+                         f"{phase('experience')} | {phase('training')} | {phase('validation')} | "
                          f"{_f(r.get('time_vs_single'))} | {_f(r['agent_epochs_per_s'], '{:.1f}')}"
                          f" | {r['state_bytes_per_member'] / 2**20:.2f} |")
     comp = res.get("compile", {})

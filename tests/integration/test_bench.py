@@ -330,6 +330,13 @@ def test_quick_runs_every_section_on_a_cpu(tmp_path, capsys):
     for r in pop:
         assert r["epoch_ms"]["n"] == 2 and r["agent_epochs_per_s"] > 0
         assert r["state_bytes_per_member"] > 0 and f"| {r['population']} | " in printed
+        # each phase timed every epoch, its median in the table beside the epoch's
+        phases = r["phase_ms"]
+        assert set(phases) == {"experience", "training", "validation"}
+        assert all(p["n"] == 2 for p in phases.values())
+        assert f"| {r['population']} | {r['epoch_ms']['median']:.2f} | " \
+               f"{phases['experience']['median']:.2f} | {phases['training']['median']:.2f} | " \
+               f"{phases['validation']['median']:.2f} | " in printed
     # compile: the first variant cold, then from each cache
     for step in ("cold", "cached_xla_only", "cached"):
         [r] = saved["compile"][step]["rows"]
