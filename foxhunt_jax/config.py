@@ -9,6 +9,7 @@ message naming the key. ``validate`` is the only place that checks ranges.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.resources
 import math
 import typing
@@ -279,6 +280,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
     if tp is str:
+        if isinstance(value, datetime.date):  # YAML reads an unquoted 2009-05-06 as a date
+            return value.isoformat()
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
         return str(value)

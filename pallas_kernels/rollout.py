@@ -71,7 +71,8 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
 
     scal = {name: scal_ref[i] for i, name in enumerate(_SCALARS)}
     # EnvParams with refs for the tables: advance / portfolio_features only index them
-    params = trading.EnvParams(features=None, starts=None, **tables, **scal, **env_static)
+    params = trading.EnvParams(features=None, starts=None, num_starts=None, **tables, **scal,
+                               **env_static)
     z = z_ref[...]
     sizes = plan.chunks(plan.obs_dim)
     n_feat = plan.obs_dim - P

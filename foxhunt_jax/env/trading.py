@@ -42,8 +42,8 @@ NONE, TAKE_PROFIT, STOP_LOSS, TIME, RUIN = 0, 1, 2, 3, 4  # info["barrier"] code
 class EnvParams:
     """Device arrays of one split plus the env settings (shared by all vmapped episodes).
 
-    features [T, F] f32; open, high, low, close, sigma [T] f32; starts [S] int32;
-    exposures [n0] f32; take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is
+    features [T, F] f32; open, high, low, close, sigma [T] f32; starts [S] int32, of which the
+    first ``num_starts`` (int32 []) are the episodes' start bars; exposures [n0] f32; take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is
     off); cost_rate, fixed_cost, ruin_floor, reward_scale, slippage_rate: f32 scalars;
     ``fill_next_open``: the chosen trade fills at the next bar's open (else at this close).
     """
@@ -55,6 +55,7 @@ class EnvParams:
     close: jax.Array
     sigma: jax.Array
     starts: jax.Array
+    num_starts: jax.Array
     exposures: jax.Array
     take_profit: jax.Array
     stop_loss: jax.Array
@@ -93,20 +94,43 @@ def branch_sizes(env_cfg: EnvConfig) -> tuple[int, ...]:
     return env_cfg.branch_sizes
 
 
-def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str) -> EnvParams:
+def padded_size(n: int) -> int:
+    """The length a table of ``n`` rows (or ``n`` start bars) is padded to in :class:`EnvParams`:
+    the next power of two. Markets of nearby sizes (another window, a walk-forward's folds)
+    then give the programs the same argument shapes, so they share compiled programs."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _pad_rows(x, rows: int) -> np.ndarray:
+    """``x`` with its last row repeated up to ``rows`` rows: a read past the last bar sees what
+    JAX's clamped index would have read without the padding."""
+    x = np.asarray(x)
+    return np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), mode="edge") \
+        if x.shape[0] else x
+
+
+def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str,
+                starts: np.ndarray | None = None) -> EnvParams:
     """Device params of ``split`` ("train", "validation" or "test").
 
-    ``starts`` are the tables' valid starts of the split, valid for ``tables.episode_length``
-    steps; with a longer ``env_cfg.episode_length`` (walking a whole split), start episodes
-    with :func:`reset_at` at bars that leave room for them instead of :func:`reset`.
+    ``starts`` (default: the tables' valid starts of the split, valid for
+    ``tables.episode_length`` steps) are the bars :func:`reset` draws from; with a longer
+    ``env_cfg.episode_length`` (walking a whole split), start episodes with :func:`reset_at` at
+    bars that leave room for them instead. The tables and the starts are padded to
+    :func:`padded_size` (the padding is never drawn or stepped into); ``num_starts`` counts the
+    real starts.
     """
     if split not in tables.starts:
         raise ConfigError(f"unknown split '{split}' (known: {', '.join(SPLITS)})")
+    starts = np.asarray(tables.starts[split] if starts is None else starts, np.int32)
+    rows = padded_size(len(tables.close))
     f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
+    table = lambda x: f32(_pad_rows(np.asarray(x, np.float32), rows))  # noqa: E731
     return EnvParams(
-        features=f32(tables.features), open=f32(tables.open), high=f32(tables.high),
-        low=f32(tables.low), close=f32(tables.close), sigma=f32(tables.sigma),
-        starts=jnp.asarray(np.asarray(tables.starts[split], np.int32)),
+        features=table(tables.features), open=table(tables.open), high=table(tables.high),
+        low=table(tables.low), close=table(tables.close), sigma=table(tables.sigma),
+        starts=jnp.asarray(_pad_rows(starts, padded_size(len(starts)))),
+        num_starts=jnp.asarray(len(starts), jnp.int32),
         exposures=f32(env_cfg.exposures), take_profit=f32(env_cfg.take_profit),
         stop_loss=f32(env_cfg.stop_loss), cost_rate=f32(env_cfg.cost_bps / 1e4),
         fixed_cost=f32(env_cfg.fixed_cost), ruin_floor=f32(env_cfg.ruin_floor),
@@ -206,7 +230,7 @@ def reset_at(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, EnvState]:
 
 def start_bar(key: jax.Array, params: EnvParams) -> jax.Array:
     """A uniformly drawn valid start bar of the split (int32 [])."""
-    i = jax.random.randint(key, (), 0, params.starts.shape[0])
+    i = jax.random.randint(key, (), 0, params.num_starts)
     return params.starts[i]
 
 

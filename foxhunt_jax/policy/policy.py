@@ -300,7 +300,7 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "l
     params = trading.EnvParams(
         features=sds((2, f), jnp.float32), open=sds((2,), jnp.float32),
         high=sds((2,), jnp.float32), low=sds((2,), jnp.float32), close=sds((2,), jnp.float32),
-        sigma=sds((2,), jnp.float32), starts=sds((1,), jnp.int32),
+        sigma=sds((2,), jnp.float32), starts=sds((1,), jnp.int32), num_starts=sds((), jnp.int32),
         exposures=sds((len(cfg.env.exposures),), jnp.float32),
         take_profit=sds((len(cfg.env.take_profit),), jnp.float32),
         stop_loss=sds((len(cfg.env.stop_loss),), jnp.float32),

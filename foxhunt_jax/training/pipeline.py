@@ -105,14 +105,16 @@ def pairs_rollouts(backend: Backend, cfg: Config, mesh) -> bool:
 
 
 # Settings no phase program reads: the epoch schedules reach the programs as an argument
-# (learner.schedule_values), the run's key is part of the state, and the rest concerns the run
-# around the programs (selection, stopping, checkpoints, printing, the final report, the
-# population's members). Runs that differ only in these share their phase programs;
-# tests/integration/test_train.py lowers the programs of two such configs and compares them.
+# (learner.schedule_values), the run's key is part of the state, the market data only as the
+# env params' tables (arguments, padded to trading.padded_size; their shapes are in the key),
+# and the rest concerns the run around the programs (selection, stopping, checkpoints,
+# printing, the final report, the population's members). Runs that differ only in these share
+# their phase programs; tests/integration/test_train.py lowers the programs of two such configs
+# and compares them.
 RUN_SETTINGS = ("train.seed", "train.epochs", "train.epsilon_start", "train.epsilon_end",
                 "train.epsilon_decay_epochs", "train.select_by", "train.patience",
                 "train.checkpoint_every", "train.log_every", "replay.beta_start",
-                "replay.beta_end", "eval", "population")
+                "replay.beta_end", "eval", "population", "data")
 
 
 def without_run_settings(cfg: Config) -> Config:

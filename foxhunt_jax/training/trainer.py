@@ -39,7 +39,7 @@ from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
 from foxhunt_jax.training.phases import (TRADING_ADAPTER, TrainerState, initial_agent,
                                          initial_state)
 from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs,
-                                           state_shardings)
+                                           program_key_config, state_shardings)
 
 __all__ = ["Trainer", "TrainerState", "TRADING_ADAPTER"]
 
@@ -90,15 +90,16 @@ class Trainer:
         tables = build_tables(market, cfg.data.splits, cfg.env.episode_length,
                               features=cfg.data.features, split_dates=cfg.data.split_dates)
         cfg = resolve_trading(cfg, tables)  # network.support auto: the range, from train bars
-        # Training runs on the whole mesh; validation (small) on this process's first device.
-        env_params = {"train": parallel.put_replicated(
-                          trading.make_params(tables, cfg.env, "train"), mesh),
-                      "validation": jax.device_put(
-                          trading.make_params(tables, cfg.env, "validation"), local)}
-        backend = resolve(cfg.network, local)
-        learner = make_learner(cfg, cfg.env.branch_sizes, replay_search=backend.tuning.replay)
         validation_starts = validate.window_starts(tables.starts["validation"],
                                                    cfg.train.validation_windows)
+        # Training runs on the whole mesh; validation (small) on this process's first device,
+        # its params' starts the windows' (so their shape is the config's, not the data's)
+        env_params = {"train": parallel.put_replicated(
+                          trading.make_params(tables, cfg.env, "train"), mesh),
+                      "validation": jax.device_put(trading.make_params(
+                          tables, cfg.env, "validation", validation_starts), local)}
+        backend = resolve(cfg.network, local)
+        learner = make_learner(cfg, cfg.env.branch_sizes, replay_search=backend.tuning.replay)
         inputs = ProgramInputs(
             train_env_params=env_params["train"], validation_env_params=env_params["validation"],
             window_starts=jax.device_put(validation_starts, local),
@@ -130,23 +131,37 @@ class Trainer:
         """
         start = time.perf_counter()
         key = jax.random.PRNGKey(self.cfg.train.seed if seed is None else seed)
-        train_env_params, learner, cfg = self.env_params["train"], self.learner, self.cfg
-        adapter = self.pipeline.adapter
         local = parallel.local_device(self.mesh)
-        args = (parallel.local_view(train_env_params, local), jax.device_put(key, local))
-        make_agent, _ = compile_cached(jit(lambda p, k: initial_agent(learner, p, k, adapter)),
-                                       args, name="init_agent", config=cfg)
+        programs = self.init_programs()
+        args = (parallel.local_view(self.env_params["train"], local), jax.device_put(key, local))
+        make_agent = self._compile_init("init_agent", programs["init_agent"], args)
         agent = parallel.put_replicated(make_agent(*args), self.mesh)
-        build = lambda p, k, a: initial_state(learner, cfg, p, k, a, adapter)
-        args = (train_env_params, parallel.put_replicated(key, self.mesh), agent)
-        # Every output leaf is a fresh buffer (the agent is copied in), as the donating phases need.
-        make_state, _ = compile_cached(
-            lambda: jit(build, out_shardings=state_shardings(jax.eval_shape(build, *args),
-                                                             self.mesh)),
-            args, name="init_state", config=cfg)
+        args = (self.env_params["train"], parallel.put_replicated(key, self.mesh), agent)
+        make_state = self._compile_init("init_state", programs["init_state"], args)
         state = jax.block_until_ready(make_state(*args))
         self.init_ms += (time.perf_counter() - start) * 1e3
         return state
+
+    def init_programs(self) -> dict:
+        """``{name: make(args) -> jitted}`` of :meth:`init_state`'s two programs: ``init_agent``
+        of ``(train env params, key)`` and ``init_state`` of ``(train env params, key, agent)``,
+        each keyed in the executable cache by
+        :func:`~foxhunt_jax.training.pipeline.program_key_config` (no run setting or market
+        datum is a constant of theirs: the seed reaches them as the key, the market as the env
+        params)."""
+        learner, cfg, adapter = self.learner, self.cfg, self.pipeline.adapter
+        build = lambda p, k, a: initial_state(learner, cfg, p, k, a, adapter)  # noqa: E731
+        # every output leaf of init_state is a fresh buffer (the agent is copied in), as the
+        # donating phases need
+        return {"init_agent": lambda args: jit(lambda p, k: initial_agent(learner, p, k,
+                                                                         adapter)),
+                "init_state": lambda args: jit(build, out_shardings=state_shardings(
+                    jax.eval_shape(build, *args), self.mesh))}
+
+    def _compile_init(self, name: str, make, args):
+        compiled, _ = compile_cached(lambda: make(args), args, name=name,
+                                     config=program_key_config(self.cfg, name))
+        return compiled
 
     def phase_programs(self, state: TrainerState, queued: bool = False) -> dict:
         """The jitted phase programs with example arguments, ``{name: (jitted, args)}``

@@ -318,8 +318,7 @@ def evaluation_params(tables, env_cfg, split: str):
     keep = lengths >= 1
     starts = seg[keep, 0].astype(np.int32)
     long_cfg = dataclasses.replace(env_cfg, episode_length=walk_length(tables, split))
-    params = trading.make_params(tables, long_cfg, split).replace(starts=jnp.asarray(starts))
-    return params, starts, lengths[keep]
+    return trading.make_params(tables, long_cfg, split, starts), starts, lengths[keep]
 
 
 def walk_rows(tables, split: str) -> int:

@@ -324,16 +324,18 @@ def test_phase_ready_time_is_after_the_results_and_passes_a_failure_on():
 
 def test_run_settings_leave_the_phase_programs_unchanged():
     """Two configs that differ in every ``pipeline.RUN_SETTINGS`` entry lower each phase program
-    to the same text, so the executable cache may serve one run's programs to the other (their
-    keys are equal)."""
+    and the initial state's two programs to the same text, so the executable cache may serve one
+    run's programs to the other (their keys are equal)."""
     sizes = ["network.trunk=[16]", "network.head=16", "network.atoms=5", "curiosity.hidden=8",
              "curiosity.embed=4", "env.episode_length=8", "train.num_episodes=16",
              "train.train_steps=2", "train.batch_size=16", "train.validation_windows=4",
-             "replay.capacity=1024"]
+             "replay.capacity=1024", "network.support=explicit"]
     run = ["train.seed=5", "train.epochs=9", "train.epsilon_start=0.5", "train.epsilon_end=0.2",
            "train.epsilon_decay_epochs=3", "train.select_by=loss", "train.patience=2",
            "train.checkpoint_every=3", "train.log_every=2", "replay.beta_start=0.3",
-           "replay.beta_end=0.9", "eval.random_policies=7", "population.seed=4"]
+           "replay.beta_end=0.9", "eval.random_policies=7", "population.seed=4",
+           # another window of the market: other bars, tables of the same padded size
+           "data.window=[2000-06-01,2013-12-31]"]
     base, other = load_config("smoke", sizes), load_config("smoke", sizes + run)
     for entry in pipeline.RUN_SETTINGS:  # the second config changes every entry
         section, _, key = entry.partition(".")
@@ -345,8 +347,15 @@ def test_run_settings_leave_the_phase_programs_unchanged():
         programs = trainer.pipeline.jitted_programs(trainer.init_state(), queued=True)
         texts.append({name: program.lower(*args).as_text()
                       for name, (program, args) in programs.items()})
+        # the two programs of init_state, the key an argument
+        make = trainer.init_programs()
+        args = (trainer.env_params["train"], jax.random.PRNGKey(0))
+        agent = make["init_agent"](args)(*args)
+        texts[-1]["init_agent"] = make["init_agent"](args).lower(*args).as_text()
+        args = args + (agent,)
+        texts[-1]["init_state"] = make["init_state"](args).lower(*args).as_text()
         assert all(pipeline.program_key_config(cfg, name) ==
-                   pipeline.program_key_config(base, name) for name in programs)
+                   pipeline.program_key_config(base, name) for name in texts[-1])
     assert texts[0].keys() == texts[1].keys() and texts[0] == texts[1]
 
 
@@ -402,3 +411,23 @@ def test_a_walk_past_the_split_s_end_gives_the_split_s_own_walk(monkeypatch):
     monkeypatch.setattr(validate, "walk_rows", lambda tables, split: len(starts))
     alone = _walk_results(trainer, agent, "validation")
     jax.tree.map(np.testing.assert_array_equal, shared, alone)
+
+
+def test_padded_tables_leave_the_epochs_unchanged(monkeypatch):
+    """The env params' tables and starts padded to ``trading.padded_size`` give the epochs that
+    unpadded ones give, bit for bit."""
+    from foxhunt_jax.env import trading
+
+    def epochs():
+        trainer = Trainer.build(load_config("smoke", ["train.epochs=2"]))
+        state, records = trainer.init_state(), []
+        for _ in range(2):
+            state, rec = trainer.run_epoch(state)
+            records.append(rec)
+        return without_timing(records), jax.tree.map(np.asarray, state.agent.params)
+
+    padded = epochs()
+    monkeypatch.setattr(trading, "padded_size", lambda n: int(n))
+    unpadded = epochs()
+    assert padded[0] == unpadded[0]
+    jax.tree.map(np.testing.assert_array_equal, padded[1], unpadded[1])

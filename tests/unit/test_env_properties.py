@@ -155,3 +155,22 @@ def test_equity_above_floor_until_ruin(env, case):
     assert np.all(np.isfinite(out["equity"])) and np.all(out["equity"][before_ruin] > 0)
     np.testing.assert_array_equal(out["truncated"][-1], ~out["terminated"][-1])
     assert not out["truncated"][:-1].any()
+
+
+def test_padded_params_draw_and_step_as_the_tables_do(env):
+    """``make_params`` pads the tables and the starts to ``padded_size``: ``start_bar`` draws
+    from the real starts what a draw over them alone gives, and the padded rows repeat the last
+    bar (what a clamped read past it saw)."""
+    tables, params_of = env
+    params = params_of["next_open"]
+    starts = np.asarray(tables.starts["train"])
+    assert params.starts.shape[0] == trading.padded_size(len(starts)) > len(starts)
+    assert int(params.num_starts) == len(starts)
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 500)
+    drawn = jax.vmap(trading.start_bar, in_axes=(0, None))(keys, params)
+    alone = jax.vmap(lambda k: jnp.asarray(starts)[jax.random.randint(k, (), 0, len(starts))])(keys)
+    np.testing.assert_array_equal(drawn, alone)
+    t = len(tables.close)
+    assert params.close.shape[0] == trading.padded_size(t) > t
+    np.testing.assert_array_equal(params.close[:t], np.asarray(tables.close, np.float32))
+    assert np.all(np.asarray(params.features[t:]) == np.asarray(tables.features[-1], np.float32))

@@ -86,6 +86,20 @@ def test_bad_split_dates_config(dates, needle):
         from_dict({"data": {"split_dates": dates}})
 
 
+def test_unquoted_yaml_dates_are_iso_strings():
+    """YAML reads an unquoted ``2009-05-06`` as a date: the config keeps its ISO text, in a
+    config file and in ``--set``."""
+    import yaml
+
+    from foxhunt_jax.config import load_config
+
+    dates = yaml.safe_load("[2009-05-06, 2011-04-01 12:30:00]")
+    cfg = from_dict({"data": {"split_dates": dates, "window": dates}})
+    assert cfg.data.split_dates == cfg.data.window == ("2009-05-06", "2011-04-01T12:30:00")
+    cfg = load_config("smoke", ["data.split_dates=[2009-05-06,2011-04-01]"])
+    assert cfg.data.split_dates == ("2009-05-06", "2011-04-01")
+
+
 def test_short_window_contributes_nothing():
     # R1 starts late: after its warm-up it has 10 bars before the validation boundary, fewer
     # than an episode needs, so its train segment is empty and its train bars are in no split
