@@ -43,7 +43,7 @@ from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
 from foxhunt_jax.training.pipeline import (Ahead, Queued, QueuedEpoch, phase_times,
-                                            ready_clock)
+                                            ready_clock, without_run_settings)
 from foxhunt_jax.training.trainer import Trainer
 
 # keys traced as [P] arrays when they vary (the epsilon schedule always is: one row a member)
@@ -235,42 +235,63 @@ class PopulationTrainer:
         """Every member's :func:`~foxhunt_jax.training.phases.initial_state` from
         ``PRNGKey(train.seed + i)``, stacked: leaves ``[P, ...]``."""
         start = time.perf_counter()
-        tr = self.trainer
-        learner, cfg = tr.learner, tr.cfg
         keys = jax.device_put(jnp.stack([jax.random.PRNGKey(self.seed(i))
                                          for i in range(self.size)]), self._split)
-        build = jax.jit(jax.vmap(lambda p, k: phases.initial_state(learner, cfg, p, k),
-                                 in_axes=(None, 0)), out_shardings=self._split)
-        state = jax.block_until_ready(build(self.train_env_params, keys))
+        program, args = self.jitted_programs(keys=keys)["init_state"]
+        build, _ = compile_cached(program, args, name="population_init_state",
+                                  config=self.key_config)
+        state = jax.block_until_ready(build(*args))
         self.init_ms += (time.perf_counter() - start) * 1e3
         return state
+
+    @property
+    def key_config(self) -> Config:
+        """What keys the population's programs in the executable cache: the shared config
+        without :data:`~foxhunt_jax.training.pipeline.RUN_SETTINGS` (the seeds reach the
+        programs as keys, the schedules and the varying hyperparameters as arguments, the
+        market as the env params); P, which keys vary and the placement are in the arguments'
+        shapes and tree."""
+        return without_run_settings(self.trainer.cfg)
+
+    def jitted_programs(self, state: TrainerState | None = None, keys: jax.Array | None = None
+                        ) -> dict:
+        """``{name: (jitted, args)}``: with ``keys [P, 2]`` the ``init_state`` program, with
+        ``state`` the ``experience``, ``training`` and ``validation`` programs. Compiled with
+        the single-agent phases' XLA options (:func:`~foxhunt_jax.jitcache.jit`), Training
+        with its own."""
+        tr = self.trainer
+        learner, backend, cfg = tr.learner, self.backend, tr.cfg
+        whole, split = NamedSharding(self.mesh, PartitionSpec()), self._split
+        programs = {}
+        if keys is not None:
+            build = jit(jax.vmap(lambda p, k: phases.initial_state(learner, cfg, p, k),
+                                 in_axes=(None, 0)), out_shardings=split)
+            programs["init_state"] = (build, (self.train_env_params, keys))
+        if state is not None:
+            placed = dict(in_shardings=(whole, split, split, split),
+                          out_shardings=(split, split), donate_argnums=1)
+            experience = jit(lambda p, s, e, h: population_experience(
+                learner, backend, cfg, p, s, e, h), **placed)
+            training = jit(lambda p, s, e, h: population_training(learner, cfg, p, s, e, h),
+                           training=True, **placed)
+            validation = jit(lambda p, w, a, h: population_validation(
+                learner, backend, cfg, p, w, a, h), in_shardings=(whole, whole, split, split),
+                out_shardings=split)
+            args = (self.train_env_params, state, self.schedules, self.hparams)
+            programs.update(experience=(experience, args), training=(training, args),
+                            validation=(validation, (self.validation_env_params,
+                                                     self.window_starts, state.agent,
+                                                     self.hparams)))
+        return programs
 
     def compile(self, state: TrainerState) -> None:
         """Compiles (or loads from the executable cache,
         :func:`~foxhunt_jax.jitcache.compile_cached`) the three population programs, timed as
         Compile."""
         start = time.perf_counter()
-        tr = self.trainer
-        learner, backend, cfg = tr.learner, self.backend, tr.cfg
-        whole, split = NamedSharding(self.mesh, PartitionSpec()), self._split
-        placed = dict(in_shardings=(whole, split, split, split), out_shardings=(split, split),
-                      donate_argnums=1)
-        # compiled with the single-agent phases' XLA options (jitcache.jit), Training with its own
-        experience = jit(lambda p, s, e, h: population_experience(
-            learner, backend, cfg, p, s, e, h), **placed)
-        training = jit(lambda p, s, e, h: population_training(learner, cfg, p, s, e, h),
-                       training=True, **placed)
-        validation = jit(lambda p, w, a, h: population_validation(
-            learner, backend, cfg, p, w, a, h), in_shardings=(whole, whole, split, split),
-            out_shardings=split)
-        args = (self.train_env_params, state, self.schedules, self.hparams)
-        jitted = {"experience": (experience, args), "training": (training, args),
-                  "validation": (validation, (self.validation_env_params, self.window_starts,
-                                              state.agent, self.hparams))}
-        # the key: the shared config; P, the varying keys and the placement are in the arguments
         built = {name: compile_cached(program, program_args, name=f"population_{name}",
-                                      config=cfg)
-                 for name, (program, program_args) in jitted.items()}
+                                      config=self.key_config)
+                 for name, (program, program_args) in self.jitted_programs(state).items()}
         self.programs = {name: compiled for name, (compiled, _) in built.items()}
         self.executables_loaded = sum(int(loaded) for _, loaded in built.values())
         self.compile_ms += (time.perf_counter() - start) * 1e3

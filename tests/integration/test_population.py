@@ -193,3 +193,26 @@ def test_evaluate_act_and_export_take_a_member(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def test_run_settings_leave_the_population_programs_unchanged():
+    """Two populations of the same size and varying keys that differ in the run settings (seeds,
+    epochs, schedules, the members' drawn values, another window of the market) lower their
+    four programs to the same text, so their executable-cache keys may be equal."""
+    grid = 'population.random=["train.learning_rate=1e-4..1e-3:log"]'
+    base = tiny("train.population=2", grid)
+    other = tiny("train.population=2", grid, "train.seed=7", "train.epochs=9",
+                 "train.epsilon_start=0.5", "train.epsilon_decay_epochs=3", "population.seed=3",
+                 "replay.beta_start=0.2", "eval.random_policies=5",
+                 "data.window=[2000-06-01,2013-12-31]")
+    texts, keys = [], []
+    for cfg in (base, other):
+        pop = PopulationTrainer.build(cfg)
+        state_keys = jax.numpy.stack([jax.random.PRNGKey(pop.seed(i)) for i in range(pop.size)])
+        programs = pop.jitted_programs(pop.init_state(), keys=state_keys)
+        assert set(programs) == {"init_state", "experience", "training", "validation"}
+        texts.append({name: program.lower(*args).as_text()
+                      for name, (program, args) in programs.items()})
+        keys.append(pop.key_config)
+    assert population_members(base) != population_members(other)
+    assert keys[0] == keys[1] and texts[0] == texts[1]
