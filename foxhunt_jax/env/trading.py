@@ -116,9 +116,9 @@ def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str,
     ``starts`` (default: the tables' valid starts of the split, valid for
     ``tables.episode_length`` steps) are the bars :func:`reset` draws from; with a longer
     ``env_cfg.episode_length`` (walking a whole split), start episodes with :func:`reset_at` at
-    bars that leave room for them instead. The tables and the starts are padded to
-    :func:`padded_size` (the padding is never drawn or stepped into); ``num_starts`` counts the
-    real starts.
+    bars that leave room for them instead. The tables are padded to :func:`padded_size` rows
+    and the starts to as many (the padding is never drawn or stepped into: a split's count of
+    starts then changes no shape); ``num_starts`` counts the real starts.
     """
     if split not in tables.starts:
         raise ConfigError(f"unknown split '{split}' (known: {', '.join(SPLITS)})")
@@ -129,7 +129,7 @@ def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str,
     return EnvParams(
         features=table(tables.features), open=table(tables.open), high=table(tables.high),
         low=table(tables.low), close=table(tables.close), sigma=table(tables.sigma),
-        starts=jnp.asarray(_pad_rows(starts, padded_size(len(starts)))),
+        starts=jnp.asarray(_pad_rows(starts, max(rows, padded_size(len(starts))))),
         num_starts=jnp.asarray(len(starts), jnp.int32),
         exposures=f32(env_cfg.exposures), take_profit=f32(env_cfg.take_profit),
         stop_loss=f32(env_cfg.stop_loss), cost_rate=f32(env_cfg.cost_bps / 1e4),

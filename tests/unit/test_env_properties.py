@@ -164,7 +164,7 @@ def test_padded_params_draw_and_step_as_the_tables_do(env):
     tables, params_of = env
     params = params_of["next_open"]
     starts = np.asarray(tables.starts["train"])
-    assert params.starts.shape[0] == trading.padded_size(len(starts)) > len(starts)
+    assert params.starts.shape[0] == trading.padded_size(len(tables.close)) > len(starts)
     assert int(params.num_starts) == len(starts)
     keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 500)
     drawn = jax.vmap(trading.start_bar, in_axes=(0, None))(keys, params)
