@@ -280,7 +280,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
     if tp is str:
-        if isinstance(value, datetime.date):  # YAML reads an unquoted 2009-05-06 as a date
+        if isinstance(value, datetime.date):  # YAML reads an unquoted ISO date as a date
             return value.isoformat()
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"config key '{key}' must be a string, got {value!r}")

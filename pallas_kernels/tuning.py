@@ -113,7 +113,6 @@ class Tuning:
 _Q_FORWARD = {"float32": KernelConfig(block_rows=64, num_warps=8, max_chunk=MAX_CHUNK["float32"]),
               "bfloat16": KernelConfig(block_rows=128, num_warps=8, min_warps=8, max_chunk=128,
                                        lookahead=2)}
-_ROLLOUT = _Q_FORWARD
 _RND = KernelConfig(block_rows=128, num_warps=8)
 ROLLOUT_MAX_EPISODES = 1 << 15
 _REPLAY_GPU = ReplaySearch(count_max=1 << 24)
@@ -123,7 +122,7 @@ def _table(compiled: bool, programs: int) -> Tuning:
     shaped = lambda table: tuple((dtype, dataclasses.replace(cfg, programs=programs))  # noqa: E731
                                  for dtype, cfg in table.items())
     return Tuning(compiled=compiled, programs=programs, q_forward=shaped(_Q_FORWARD),
-                  rollout=shaped(_ROLLOUT), rnd=dataclasses.replace(_RND, programs=programs),
+                  rollout=shaped(_Q_FORWARD), rnd=dataclasses.replace(_RND, programs=programs),
                   rollout_max_episodes=ROLLOUT_MAX_EPISODES,
                   replay=_REPLAY_GPU if compiled else ReplaySearch())
 

@@ -43,8 +43,9 @@ class EnvParams:
     """Device arrays of one split plus the env settings (shared by all vmapped episodes).
 
     features [T, F] f32; open, high, low, close, sigma [T] f32; starts [S] int32, of which the
-    first ``num_starts`` (int32 []) are the episodes' start bars; exposures [n0] f32; take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is
-    off); cost_rate, fixed_cost, ruin_floor, reward_scale, slippage_rate: f32 scalars;
+    first ``num_starts`` (int32 []) are the episodes' start bars; exposures [n0] f32;
+    take_profit [n1] f32 / stop_loss [n2] f32 (empty when that barrier is off); cost_rate,
+    fixed_cost, ruin_floor, reward_scale, slippage_rate: f32 scalars;
     ``fill_next_open``: the chosen trade fills at the next bar's open (else at this close).
     """
 

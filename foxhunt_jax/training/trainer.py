@@ -269,7 +269,6 @@ class Trainer:
         learner, backend = self.learner, self.backend
         walk = tuple(map(jnp.asarray, validate.shared_walks(
             starts, lengths, validate.walk_rows(self.tables, split))))
-        split_params = split_params.replace(starts=walk[0])
         branch_sizes, policies = self.cfg.env.branch_sizes, self.cfg.eval.random_policies
 
         def run_greedy(env_params, network_params, key, walk_starts, walk_lengths):

@@ -297,6 +297,11 @@ def _segment_lengths(tables, split: str) -> np.ndarray:
     return (seg[:, 1] - seg[:, 0]).astype(np.int32)
 
 
+def _walk_group(split: str) -> tuple[str, ...]:
+    """The splits whose walks ``split``'s walk is shaped with (:data:`SHARED_WALK_SPLITS`)."""
+    return SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
+
+
 def walk_length(tables, split: str) -> int:
     """The steps of a full walk of ``split`` (:func:`evaluation_params`): the most bars an
     instrument has in it. The validation and test splits both take the longer of theirs, so
@@ -304,16 +309,14 @@ def walk_length(tables, split: str) -> int:
     leave its paths as they are (it is frozen), and the step keys are a prefix of a longer
     walk's (``jax_threefry_partitionable``), so the paths equal a walk of the split's own
     length."""
-    group = SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
-    return max(int(_segment_lengths(tables, s).max(initial=0)) for s in group)
+    return max(int(_segment_lengths(tables, s).max(initial=0)) for s in _walk_group(split))
 
 
 def evaluation_params(tables, env_cfg, split: str):
     """``(env_params, starts [W], lengths [W])`` for walking each instrument of ``split`` from its
     first bar to its last: ``env_params.episode_length`` is :func:`walk_length` (the steps to
-    run), and ``env_params.starts`` holds the walks' first bars (a walk never draws a start;
-    :meth:`~foxhunt_jax.training.trainer.Trainer.evaluate_split` puts its
-    :func:`shared_walks` there)."""
+    run), and ``env_params.starts`` holds the walks' first bars (a walk never draws a start),
+    padded to the tables' rows as every split's starts are."""
     seg, lengths = tables.segments[split], _segment_lengths(tables, split)
     keep = lengths >= 1
     starts = seg[keep, 0].astype(np.int32)
@@ -325,8 +328,7 @@ def walk_rows(tables, split: str) -> int:
     """How many walks a full walk of ``split`` runs at once: the instruments with a bar in it;
     the validation and test splits both take the larger count (:func:`walk_length`'s reason),
     the extra rows walking nothing (:func:`shared_walks`)."""
-    group = SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
-    return max(int((_segment_lengths(tables, s) >= 1).sum()) for s in group)
+    return max(int((_segment_lengths(tables, s) >= 1).sum()) for s in _walk_group(split))
 
 
 def shared_walks(starts: np.ndarray, lengths: np.ndarray, rows: int):
