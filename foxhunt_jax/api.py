@@ -187,11 +187,13 @@ def train(cfg: Config, out_dir: str | Path | None = None, *, resume: bool = Fals
             if cfg.network.support == "auto":  # config.yaml records the range auto derived
                 cfg = replace(cfg, network={k: getattr(saved.network, k)
                                             for k in ("support", "v_min", "v_max")})
-            changed = differences(replace(saved, train={"epochs": cfg.train.epochs}), cfg)
+            # data.min_table_rows pads shapes and changes no number
+            changed = differences(replace(saved, train={"epochs": cfg.train.epochs},
+                                          data={"min_table_rows": cfg.data.min_table_rows}), cfg)
             if changed:
                 keys = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, a, b in changed)
                 raise ConfigError(f"--resume: the config differs from {out}/config.yaml ({keys}); "
-                                  "only train.epochs may change")
+                                  "only train.epochs and data.min_table_rows may change")
         # a population writes P records an epoch: metrics.jsonl only (a member field each)
         writer = open_run(out, dump_yaml(cfg), resume=resume,
                           tensorboard="tensorboard" in log_to and cfg.train.population == 1,

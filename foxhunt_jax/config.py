@@ -67,6 +67,10 @@ class DataConfig:
         (), "[start, end] (ISO dates or times): load only bars with start <= time < end; "
             "[] = every bar")
     sort: bool = setting(False, "sort unsorted timestamps instead of rejecting the file")
+    # shapes only: a padded table computes what the unpadded one does (env/trading.make_params)
+    # a walk-forward sets its largest fold's rows, so that its folds share compiled programs
+    min_table_rows: int = setting(
+        0, "pad the market tables to at least this many rows (shapes only); 0 = next power of 2")
     synthetic: SyntheticConfig = setting(factory=SyntheticConfig,
                                          meaning="the builtin:synthetic market")
     # resolved by validate into the names (docs/features.md)
@@ -76,6 +80,7 @@ class DataConfig:
 
 
 FILLS = ("next_open", "close")  # env.fill values
+MAX_TABLE_ROWS = 1 << 24  # data.min_table_rows: a bound on what padding may allocate
 
 
 @dataclass(frozen=True)
@@ -426,6 +431,8 @@ def validate(cfg: Config) -> Config:
         parse_split_dates(d.split_dates)
     if d.window:
         parse_split_dates(d.window, "data.window", ("start", "end"))
+    _check(0 <= d.min_table_rows <= MAX_TABLE_ROWS, "data.min_table_rows",
+           f"must be in 0..{MAX_TABLE_ROWS}", d.min_table_rows)
     s = d.synthetic
     _check(s.instruments >= 1, "data.synthetic.instruments", "must be >= 1", s.instruments)
     _check(s.bars >= 200, "data.synthetic.bars", "must be >= 200", s.bars)

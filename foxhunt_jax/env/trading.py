@@ -111,20 +111,21 @@ def _pad_rows(x, rows: int) -> np.ndarray:
 
 
 def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str,
-                starts: np.ndarray | None = None) -> EnvParams:
+                starts: np.ndarray | None = None, min_rows: int = 0) -> EnvParams:
     """Device params of ``split`` ("train", "validation" or "test").
 
     ``starts`` (default: the tables' valid starts of the split, valid for
     ``tables.episode_length`` steps) are the bars :func:`reset` draws from; with a longer
     ``env_cfg.episode_length`` (walking a whole split), start episodes with :func:`reset_at` at
     bars that leave room for them instead. The tables are padded to :func:`padded_size` rows
-    and the starts to as many (the padding is never drawn or stepped into: a split's count of
-    starts then changes no shape); ``num_starts`` counts the real starts.
+    (of at least ``min_rows``: ``data.min_table_rows``) and the starts to as many (the padding
+    is never drawn or stepped into: a split's count of starts then changes no shape);
+    ``num_starts`` counts the real starts.
     """
     if split not in tables.starts:
         raise ConfigError(f"unknown split '{split}' (known: {', '.join(SPLITS)})")
     starts = np.asarray(tables.starts[split] if starts is None else starts, np.int32)
-    rows = padded_size(len(tables.close))
+    rows = padded_size(max(len(tables.close), int(min_rows)))
     f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
     table = lambda x: f32(_pad_rows(np.asarray(x, np.float32), rows))  # noqa: E731
     return EnvParams(

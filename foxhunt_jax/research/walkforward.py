@@ -164,8 +164,10 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
     plan = plan_folds(cfg, folds, window, sliding_blocks, validation_fraction)
     text = _plan_text(cfg, plan, window)
     _check_out(out, resume, text)
-    for fold in plan:  # every fold's data and splits are checked before anything is written
-        fold_tables(cfg, fold)
+    # every fold's data and splits are checked before anything is written; the folds' tables
+    # are padded alike (data.min_table_rows), so that every fold runs the same programs
+    rows = max(len(fold_tables(cfg, fold).close) for fold in plan)
+    shaped = replace(cfg, data={"min_table_rows": max(cfg.data.min_table_rows, rows)})
     out.mkdir(parents=True, exist_ok=True)
     (out / PLAN_FILE).write_text(text)
     results = []
@@ -175,7 +177,7 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
         log(f"fold {fold.index}/{len(plan)}: data from {_day(fold.start)}, validation from "
             f"{_day(fold.validation_start)}, test {_day(fold.test_start)} .. "
             f"before {_day(fold.test_end)} -> {run}")
-        result = api.train(fold.config(cfg), run, resume=again, progress=False,
+        result = api.train(fold.config(shaped), run, resume=again, progress=False,
                            log=lambda line, k=fold.index: log(f"  [fold {k}] {line}"))
         results.append((fold, FoldResult.of(result)))
     market = load_market(cfg.data.source, sort=cfg.data.sort, synthetic=cfg.data.synthetic,

@@ -94,10 +94,11 @@ class Trainer:
                                                    cfg.train.validation_windows)
         # Training runs on the whole mesh; validation (small) on this process's first device,
         # its params' starts the windows' (so their shape is the config's, not the data's)
+        rows = cfg.data.min_table_rows
         env_params = {"train": parallel.put_replicated(
-                          trading.make_params(tables, cfg.env, "train"), mesh),
+                          trading.make_params(tables, cfg.env, "train", min_rows=rows), mesh),
                       "validation": jax.device_put(trading.make_params(
-                          tables, cfg.env, "validation", validation_starts), local)}
+                          tables, cfg.env, "validation", validation_starts, rows), local)}
         backend = resolve(cfg.network, local)
         learner = make_learner(cfg, cfg.env.branch_sizes, replay_search=backend.tuning.replay)
         inputs = ProgramInputs(

@@ -111,7 +111,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", *args, "--set", "train.batch_size=16", "--out", str(killed),
                  "--resume"]) == 2
-    assert "only train.epochs may change" in capsys.readouterr().err
+    assert "only train.epochs and data.min_table_rows may change" in capsys.readouterr().err
     assert len(read_metrics(killed)) == done_before
     # without --config the run continues with its own DIR/config.yaml
     resumed = cli("train", "--no-progress", "--out", str(killed), "--resume")
@@ -414,20 +414,26 @@ def test_a_walk_past_the_split_s_end_gives_the_split_s_own_walk(monkeypatch):
 
 
 def test_padded_tables_leave_the_epochs_unchanged(monkeypatch):
-    """The env params' tables and starts padded to ``trading.padded_size`` give the epochs that
-    unpadded ones give, bit for bit."""
+    """The env params' tables and starts padded to ``trading.padded_size``, or further to
+    ``data.min_table_rows``, give the epochs that unpadded ones give, bit for bit."""
     from foxhunt_jax.env import trading
 
-    def epochs():
-        trainer = Trainer.build(load_config("smoke", ["train.epochs=2"]))
+    def epochs(*overrides):
+        trainer = Trainer.build(load_config("smoke", ["train.epochs=2", *overrides]))
         state, records = trainer.init_state(), []
         for _ in range(2):
             state, rec = trainer.run_epoch(state)
             records.append(rec)
-        return without_timing(records), jax.tree.map(np.asarray, state.agent.params)
+        rows = {split: (p.close.shape[0], p.starts.shape[0])
+                for split, p in trainer.env_params.items()}
+        return without_timing(records), jax.tree.map(np.asarray, state.agent.params), rows
 
     padded = epochs()
+    floor = 4 * max(r for r, _ in padded[2].values())
+    larger = epochs(f"data.min_table_rows={floor - 3}")  # padded up to the power of two
+    assert larger[2] == {split: (floor, floor) for split in padded[2]}
     monkeypatch.setattr(trading, "padded_size", lambda n: int(n))
     unpadded = epochs()
-    assert padded[0] == unpadded[0]
-    jax.tree.map(np.testing.assert_array_equal, padded[1], unpadded[1])
+    for other in (larger, unpadded):
+        assert padded[0] == other[0]
+        jax.tree.map(np.testing.assert_array_equal, padded[1], other[1])

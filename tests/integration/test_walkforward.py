@@ -11,8 +11,9 @@ import pytest
 
 from foxhunt_jax import api
 from foxhunt_jax.cli import main
-from foxhunt_jax.config import load_config
+from foxhunt_jax.config import load_config, replace
 from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError, DataError
 from foxhunt_jax.research.walkforward import fold_tables, plan_folds, walkforward
 from market_files import bars_frame, write_csv
@@ -115,6 +116,27 @@ def test_stitched_curve_covers_exactly_the_test_blocks(market_csv, finished):
     for k in (1, 2):
         assert (out / f"fold_{k}" / "run.json").is_file()
         assert (out / f"fold_{k}" / "report" / "summary.json").is_file()
+
+
+def test_every_fold_pads_its_tables_to_the_largest_folds(finished):
+    """Folds of different lengths get tables of one shape (``data.min_table_rows``), so that
+    they run the same compiled programs."""
+    cfg, _, out = finished
+    folds = plan_folds(cfg, 2, "sliding", **PLAN)
+    largest = max(len(fold_tables(cfg, f).close) for f in folds)
+    for f in folds:
+        saved = load_config(str(out / f"fold_{f.index}" / "config.yaml"))
+        assert saved.data.min_table_rows == largest
+        rows = api.build_trainer(f.config(saved)).env_params["train"].close.shape[0]
+        assert rows == trading.padded_size(largest)
+    # expanding folds differ in length; with the floor their tables have one shape
+    expanding = plan_folds(cfg, 2, "expanding", **PLAN)
+    lengths = [len(fold_tables(cfg, f).close) for f in expanding]
+    assert lengths[0] < lengths[1]
+    floor = replace(cfg, data={"min_table_rows": 4 * lengths[1]})
+    shapes = {api.build_trainer(f.config(floor)).env_params["validation"].close.shape
+              for f in expanding}
+    assert shapes == {(trading.padded_size(4 * lengths[1]),)}
 
 
 def test_second_walkforward_refuses_and_resume_continues(market_csv, finished, capsys):

@@ -86,6 +86,16 @@ def test_bad_split_dates_config(dates, needle):
         from_dict({"data": {"split_dates": dates}})
 
 
+@pytest.mark.parametrize("rows,needle", [
+    (-1, r"'data.min_table_rows' must be in 0\.\.16777216, got -1"),
+    ((1 << 24) + 1, r"'data.min_table_rows' must be in 0\.\.16777216"),
+    (1.5, r"'data.min_table_rows' must be an integer"),
+])
+def test_bad_min_table_rows(rows, needle):
+    with pytest.raises(ConfigError, match=needle):
+        from_dict({"data": {"min_table_rows": rows}})
+
+
 def test_unquoted_yaml_dates_are_iso_strings():
     """YAML reads an unquoted ``2009-05-06`` as a date: the config keeps its ISO text, in a
     config file and in ``--set``."""
