@@ -39,7 +39,8 @@ from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
 from foxhunt_jax.training.phases import (TRADING_ADAPTER, TrainerState, initial_agent,
                                          initial_state)
 from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs,
-                                           program_key_config, state_shardings)
+                                           program_key_config, state_shardings,
+                                           without_run_settings)
 
 __all__ = ["Trainer", "TrainerState", "TRADING_ADAPTER"]
 
@@ -262,11 +263,55 @@ class Trainer:
         ``curves``, ``exposure``, ``metrics`` (JSON-able: what summary.json and ``evaluate``
         write) and ``paths`` (per instrument).
         """
-        split_params, starts, lengths = validate.evaluation_params(self.tables, self.cfg.env,
-                                                                   split)
-        # validation and test walk the same steps and rows (validate.walk_length, walk_rows), so
-        # both run one set of programs; the results are cut to this split's own
-        steps, own = split_params.episode_length, int(lengths.max())
+        _, starts, lengths = self._walk_params(split)
+        own = int(lengths.max())
+
+        def walk_with(name):
+            jitted, args = programs[name]
+            compiled, _ = compile_cached(jitted, args, name=f"evaluate_{name}",
+                                         config=self.walk_key_config(args[0].episode_length))
+            return compiled(*args)
+
+        def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
+            traj = validate.own_walks(traj, len(starts), own, walk_axis=1, time_axis=0)
+            return dict(validate.equity_paths(traj), action=np.swapaxes(traj["action"], 0, 1))
+
+        programs = self.walk_programs(agent, split, seed)
+        paths = {name: walked(walk_with(name)) for name in programs if name != "random"}
+        paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
+                                                            lengths)
+        paths["flat"] = validate.flat_paths(lengths)
+        random = validate.walk_paths(validate.own_walks(walk_with("random"), len(starts), own,
+                                                        walk_axis=1, time_axis=2))
+
+        dates = validate.walk_dates(self.tables.timestamps, starts, lengths)
+        names = [self.tables.instrument_names[int(self.tables.instrument[s])] for s in starts]
+        return evaluation_results(paths, random, dates, names, self.market.bars_per_year)
+
+    def _walk_params(self, split: str):
+        """:func:`validate.evaluation_params` of ``split``, its tables padded as the phases'."""
+        return validate.evaluation_params(self.tables, self.cfg.env, split,
+                                          self.cfg.data.min_table_rows)
+
+    def walk_key_config(self, steps: int) -> dict:
+        """What keys the full walks' programs in the executable cache: the config without its
+        run settings and market data (both reach the programs as arguments, the tables
+        padded), the number of random policies, and the walk's ``steps``; so the folds of a
+        walk-forward, whose tables and walk lengths are padded alike, share them."""
+        return {"config": without_run_settings(self.cfg),
+                "random_policies": self.cfg.eval.random_policies, "steps": int(steps)}
+
+    def walk_programs(self, agent: AgentState, split: str, seed: int = 0) -> dict:
+        """``{name: (jitted, args)}`` of the full walks of ``split`` that :meth:`evaluate_split`
+        runs: ``agent`` (greedy, from ``agent.params``), ``random`` and, on
+        ``builtin:synthetic`` data, ``oracle``. Every array is an argument, so a program is
+        fixed by :meth:`walk_key_config` and the arguments' shapes.
+
+        The validation and test splits walk the same steps and rows
+        (:func:`validate.walk_length`, :func:`validate.walk_rows`), so both run one set of
+        programs; :meth:`evaluate_split` cuts the results to the split's own."""
+        split_params, starts, lengths = self._walk_params(split)
+        steps = split_params.episode_length
         learner, backend = self.learner, self.backend
         walk = tuple(map(jnp.asarray, validate.shared_walks(
             starts, lengths, validate.walk_rows(self.tables, split))))
@@ -285,29 +330,10 @@ class Trainer:
             return validate.policy_rollout(env_params, walk_starts, steps, oracle,
                                            jax.random.key(0), walk_lengths)
 
-        def walk_with(name, fn, *args):
-            # every array is an argument, so the program is fixed by the config, the walk's
-            # length and the argument shapes: the executable cache can serve it
-            compiled, _ = compile_cached(jit(fn), args, name=f"evaluate_{name}",
-                                         config={"config": self.cfg, "steps": steps})
-            return compiled(*args)
-
-        def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
-            traj = validate.own_walks(traj, len(starts), own, walk_axis=1, time_axis=0)
-            return dict(validate.equity_paths(traj), action=np.swapaxes(traj["action"], 0, 1))
-
-        paths = {"agent": walked(walk_with("agent", run_greedy, split_params, agent.params,
-                                           jax.random.key(seed), *walk))}
+        programs = {"agent": (jit(run_greedy), (split_params, agent.params,
+                                                jax.random.key(seed)) + walk)}
         if validate.is_synthetic(self.market):  # the oracle knows the planted signal
-            paths["oracle"] = walked(walk_with("oracle", run_oracle, split_params,
-                                               jnp.asarray(self.tables.last_log_return), *walk))
-        paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
-                                                            lengths)
-        paths["flat"] = validate.flat_paths(lengths)
-        random = validate.walk_paths(validate.own_walks(walk_with(
-            "random", run_random, split_params, jax.random.key(seed + 1), *walk), len(starts),
-            own, walk_axis=1, time_axis=2))
-
-        dates = validate.walk_dates(self.tables.timestamps, starts, lengths)
-        names = [self.tables.instrument_names[int(self.tables.instrument[s])] for s in starts]
-        return evaluation_results(paths, random, dates, names, self.market.bars_per_year)
+            programs["oracle"] = (jit(run_oracle), (split_params, jnp.asarray(
+                self.tables.last_log_return)) + walk)
+        programs["random"] = (jit(run_random), (split_params, jax.random.key(seed + 1)) + walk)
+        return programs

@@ -290,6 +290,8 @@ def is_synthetic(market) -> bool:
 
 # splits whose full walks run the same number of steps (:func:`walk_length`)
 SHARED_WALK_SPLITS = ("validation", "test")
+# significant binary digits a full walk's steps are rounded up to (:func:`rounded_steps`)
+WALK_STEP_BITS = 4
 
 
 def _segment_lengths(tables, split: str) -> np.ndarray:
@@ -302,26 +304,37 @@ def _walk_group(split: str) -> tuple[str, ...]:
     return SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
 
 
+def rounded_steps(n: int, bits: int = WALK_STEP_BITS) -> int:
+    """``n`` rounded up to ``bits`` significant binary digits (at most 1/8 more for the
+    default 4): walks of nearby lengths then have one shape."""
+    unit = 1 << max(int(n).bit_length() - bits, 0)
+    return -(-int(n) // unit) * unit
+
+
 def walk_length(tables, split: str) -> int:
     """The steps of a full walk of ``split`` (:func:`evaluation_params`): the most bars an
-    instrument has in it. The validation and test splits both take the longer of theirs, so
-    their walks run the same compiled programs; a walk's steps after an instrument's last bar
-    leave its paths as they are (it is frozen), and the step keys are a prefix of a longer
-    walk's (``jax_threefry_partitionable``), so the paths equal a walk of the split's own
-    length."""
-    return max(int(_segment_lengths(tables, s).max(initial=0)) for s in _walk_group(split))
+    instrument has in it, :func:`rounded_steps` up. The validation and test splits both take
+    the longer of theirs, so their walks run the same compiled programs, and so do a
+    walk-forward's folds, whose blocks are about as long. A walk's steps after an
+    instrument's last bar leave its paths as they are (it is frozen), and the step keys are a
+    prefix of a longer walk's (``jax_threefry_partitionable``), so the paths equal a walk of
+    the split's own length."""
+    return rounded_steps(max(int(_segment_lengths(tables, s).max(initial=0))
+                             for s in _walk_group(split)))
 
 
-def evaluation_params(tables, env_cfg, split: str):
+def evaluation_params(tables, env_cfg, split: str, min_rows: int = 0):
     """``(env_params, starts [W], lengths [W])`` for walking each instrument of ``split`` from its
     first bar to its last: ``env_params.episode_length`` is :func:`walk_length` (the steps to
     run), and ``env_params.starts`` holds the walks' first bars (a walk never draws a start),
-    padded to the tables' rows as every split's starts are."""
+    padded to the tables' rows (at least ``min_rows``: ``data.min_table_rows``) as every
+    split's starts are."""
     seg, lengths = tables.segments[split], _segment_lengths(tables, split)
     keep = lengths >= 1
     starts = seg[keep, 0].astype(np.int32)
     long_cfg = dataclasses.replace(env_cfg, episode_length=walk_length(tables, split))
-    return trading.make_params(tables, long_cfg, split, starts), starts, lengths[keep]
+    return (trading.make_params(tables, long_cfg, split, starts, min_rows), starts,
+            lengths[keep])
 
 
 def walk_rows(tables, split: str) -> int:

@@ -359,6 +359,34 @@ def test_run_settings_leave_the_phase_programs_unchanged():
     assert texts[0].keys() == texts[1].keys() and texts[0] == texts[1]
 
 
+def test_run_settings_and_data_leave_the_walk_programs_unchanged():
+    """Two configs that differ in run settings and in the market's config (the same bars)
+    lower the final report's walk programs to the same text, under equal keys
+    (``Trainer.walk_key_config``): a walk-forward's folds may share them."""
+    run = ["train.seed=5", "train.epochs=9", "train.select_by=loss", "train.patience=2",
+           "replay.beta_start=0.3", "population.seed=4", "data.window=[1900-01-01,2100-01-01]"]
+    texts, keys = [], []
+    for cfg in (load_config("smoke"), load_config("smoke", run)):
+        trainer = Trainer.build(cfg)
+        agent = trainer.init_state(seed=0).agent
+        programs = trainer.walk_programs(agent, "test")
+        assert set(programs) == {"agent", "random"}
+        texts.append({name: jitted.lower(*args).as_text()
+                      for name, (jitted, args) in programs.items()})
+        keys.append(trainer.walk_key_config(programs["agent"][1][0].episode_length))
+    assert texts[0] == texts[1] and keys[0] == keys[1]
+
+
+def test_walk_steps_round_up_to_four_significant_bits():
+    from foxhunt_jax.training import validate
+
+    assert [validate.rounded_steps(n) for n in (1, 15, 16, 17, 480, 481, 1000)] == \
+        [1, 15, 16, 18, 480, 512, 1024]
+    for n in range(1, 5000, 7):
+        r = validate.rounded_steps(n)
+        assert n <= r <= n * 9 / 8 and validate.rounded_steps(r) == r
+
+
 # validation shorter than test, so the validation walks run past their own length
 UNEQUAL_SPLITS = ["data.splits=[0.7,0.12,0.18]"]
 
@@ -381,7 +409,7 @@ def test_validation_and_test_walks_share_their_programs(tmp_path):
            for s in ("validation", "test")}
     assert own["validation"] < own["test"]
     assert validate.walk_length(tables, "validation") == validate.walk_length(tables, "test") \
-        == own["test"]
+        == validate.rounded_steps(own["test"]) >= own["test"]
     assert validate.walk_rows(tables, "validation") == validate.walk_rows(tables, "test")
     agent = trainer.init_state().agent
     before = jitcache.executable_cache_folder()
