@@ -297,7 +297,8 @@ class Trainer:
         """What keys the full walks' programs in the executable cache: the config without its
         run settings and market data (both reach the programs as arguments, the tables
         padded), the number of random policies, and the walk's ``steps``; so the folds of a
-        walk-forward, whose tables and walk lengths are padded alike, share them."""
+        walk-forward, whose tables are padded alike, share them where their walks' lengths and
+        instruments agree."""
         return {"config": without_run_settings(self.cfg),
                 "random_policies": self.cfg.eval.random_policies, "steps": int(steps)}
 

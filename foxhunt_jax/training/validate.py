@@ -290,8 +290,6 @@ def is_synthetic(market) -> bool:
 
 # splits whose full walks run the same number of steps (:func:`walk_length`)
 SHARED_WALK_SPLITS = ("validation", "test")
-# significant binary digits a full walk's steps are rounded up to (:func:`rounded_steps`)
-WALK_STEP_BITS = 4
 
 
 def _segment_lengths(tables, split: str) -> np.ndarray:
@@ -304,23 +302,14 @@ def _walk_group(split: str) -> tuple[str, ...]:
     return SHARED_WALK_SPLITS if split in SHARED_WALK_SPLITS else (split,)
 
 
-def rounded_steps(n: int, bits: int = WALK_STEP_BITS) -> int:
-    """``n`` rounded up to ``bits`` significant binary digits (at most 1/8 more for the
-    default 4): walks of nearby lengths then have one shape."""
-    unit = 1 << max(int(n).bit_length() - bits, 0)
-    return -(-int(n) // unit) * unit
-
-
 def walk_length(tables, split: str) -> int:
     """The steps of a full walk of ``split`` (:func:`evaluation_params`): the most bars an
-    instrument has in it, :func:`rounded_steps` up. The validation and test splits both take
-    the longer of theirs, so their walks run the same compiled programs, and so do a
-    walk-forward's folds, whose blocks are about as long. A walk's steps after an
-    instrument's last bar leave its paths as they are (it is frozen), and the step keys are a
-    prefix of a longer walk's (``jax_threefry_partitionable``), so the paths equal a walk of
-    the split's own length."""
-    return rounded_steps(max(int(_segment_lengths(tables, s).max(initial=0))
-                             for s in _walk_group(split)))
+    instrument has in it. The validation and test splits both take the longer of theirs, so
+    their walks run the same compiled programs; a walk's steps after an instrument's last bar
+    leave its paths as they are (it is frozen), and the step keys are a prefix of a longer
+    walk's (``jax_threefry_partitionable``), so the paths equal a walk of the split's own
+    length."""
+    return max(int(_segment_lengths(tables, s).max(initial=0)) for s in _walk_group(split))
 
 
 def evaluation_params(tables, env_cfg, split: str, min_rows: int = 0):

@@ -377,16 +377,6 @@ def test_run_settings_and_data_leave_the_walk_programs_unchanged():
     assert texts[0] == texts[1] and keys[0] == keys[1]
 
 
-def test_walk_steps_round_up_to_four_significant_bits():
-    from foxhunt_jax.training import validate
-
-    assert [validate.rounded_steps(n) for n in (1, 15, 16, 17, 480, 481, 1000)] == \
-        [1, 15, 16, 18, 480, 512, 1024]
-    for n in range(1, 5000, 7):
-        r = validate.rounded_steps(n)
-        assert n <= r <= n * 9 / 8 and validate.rounded_steps(r) == r
-
-
 # validation shorter than test, so the validation walks run past their own length
 UNEQUAL_SPLITS = ["data.splits=[0.7,0.12,0.18]"]
 
@@ -409,7 +399,7 @@ def test_validation_and_test_walks_share_their_programs(tmp_path):
            for s in ("validation", "test")}
     assert own["validation"] < own["test"]
     assert validate.walk_length(tables, "validation") == validate.walk_length(tables, "test") \
-        == validate.rounded_steps(own["test"]) >= own["test"]
+        == own["test"]
     assert validate.walk_rows(tables, "validation") == validate.walk_rows(tables, "test")
     agent = trainer.init_state().agent
     before = jitcache.executable_cache_folder()
