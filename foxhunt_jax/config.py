@@ -67,8 +67,7 @@ class DataConfig:
         (), "[start, end] (ISO dates or times): load only bars with start <= time < end; "
             "[] = every bar")
     sort: bool = setting(False, "sort unsorted timestamps instead of rejecting the file")
-    # shapes only: a padded table computes what the unpadded one does (env/trading.make_params)
-    # a walk-forward sets its largest fold's rows, so that its folds share compiled programs
+    # shapes only (env/trading.make_params); a walk-forward sets its largest fold's rows
     min_table_rows: int = setting(
         0, "pad the market tables to at least this many rows (shapes only); 0 = next power of 2")
     synthetic: SyntheticConfig = setting(factory=SyntheticConfig,

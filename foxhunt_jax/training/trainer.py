@@ -263,7 +263,7 @@ class Trainer:
         ``curves``, ``exposure``, ``metrics`` (JSON-able: what summary.json and ``evaluate``
         write) and ``paths`` (per instrument).
         """
-        _, starts, lengths = self._walk_params(split)
+        split_params, starts, lengths = self._walk_params(split)
         own = int(lengths.max())
 
         def walk_with(name):
@@ -276,7 +276,7 @@ class Trainer:
             traj = validate.own_walks(traj, len(starts), own, walk_axis=1, time_axis=0)
             return dict(validate.equity_paths(traj), action=np.swapaxes(traj["action"], 0, 1))
 
-        programs = self.walk_programs(agent, split, seed)
+        programs = self._walk_programs(agent, split, seed, split_params, starts, lengths)
         paths = {name: walked(walk_with(name)) for name in programs if name != "random"}
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
                                                             lengths)
@@ -311,7 +311,11 @@ class Trainer:
         The validation and test splits walk the same steps and rows
         (:func:`validate.walk_length`, :func:`validate.walk_rows`), so both run one set of
         programs; :meth:`evaluate_split` cuts the results to the split's own."""
-        split_params, starts, lengths = self._walk_params(split)
+        return self._walk_programs(agent, split, seed, *self._walk_params(split))
+
+    def _walk_programs(self, agent: AgentState, split: str, seed: int, split_params,
+                       starts: np.ndarray, lengths: np.ndarray) -> dict:
+        """:meth:`walk_programs` from :meth:`_walk_params`' result."""
         steps = split_params.episode_length
         learner, backend = self.learner, self.backend
         walk = tuple(map(jnp.asarray, validate.shared_walks(
