@@ -12,10 +12,8 @@ import jax
 
 from foxhunt_jax.bench.common import Deadline, build_trainer, spread, variant_cfg
 from foxhunt_jax.bench.seed import time_epochs
+from foxhunt_jax.training.pipeline import PHASES
 from foxhunt_jax.training.population import PopulationTrainer
-
-
-PHASES = ("experience", "training", "validation")
 
 
 def state_bytes(state) -> int:
@@ -40,7 +38,8 @@ def time_population(cfg, market, epochs: int, warmup: int) -> dict:
                 phases[k].append(ms[k])
     return {"epoch_ms": spread([sum(t) for t in zip(*phases.values())]),
             "phase_ms": {k: spread(v) for k, v in phases.items()},
-            "compile_ms": first["compile"], "state_bytes_per_member": state_bytes(state) / pop.size}
+            "compile_ms": first["compile"],
+            "state_bytes_per_member": state_bytes(state) / pop.size}
 
 
 def time_single(cfg, market, epochs: int, warmup: int) -> dict:

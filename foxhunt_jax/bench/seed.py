@@ -9,6 +9,7 @@ from __future__ import annotations
 import traceback
 
 from foxhunt_jax.bench.common import Deadline, build_trainer, spread, variant_cfg
+from foxhunt_jax.training.pipeline import PHASES
 
 
 def time_epochs(tr, state, count: int, warmup: int) -> tuple[dict, dict, dict]:
@@ -20,16 +21,16 @@ def time_epochs(tr, state, count: int, warmup: int) -> tuple[dict, dict, dict]:
     epochs does), so the times are those of a steady loop: Experience runs from the previous
     epoch's Validation to its own completion.
     """
-    phases = {"experience": [], "training": [], "validation": [], "total": []}
+    phases = {k: [] for k in PHASES + ("total",)}
     first = rec = None
     for e in range(warmup + count):
         state, rec = tr.run_epoch(state, queue_next=min(2, warmup + count - 1 - e))
         ms = rec["phase_ms"]
         first = first or ms
         if e >= warmup:
-            for k in ("experience", "training", "validation"):
+            for k in PHASES:
                 phases[k].append(ms[k])
-            phases["total"].append(ms["experience"] + ms["training"] + ms["validation"])
+            phases["total"].append(sum(ms[k] for k in PHASES))
     return phases, first, rec
 
 

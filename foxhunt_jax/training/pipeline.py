@@ -77,6 +77,8 @@ from foxhunt_jax.training import phases
 from foxhunt_jax.training.collect import EnvAdapter
 from foxhunt_jax.training.phases import TrainerState
 
+# the device phases of an epoch, in order: the keys of phase_times and of the records' phase_ms
+PHASES = ("experience", "training", "validation")
 PAIRED_PROGRAM = "validation_experience"
 OVERLAPPED_PROGRAM = "overlapped"
 
@@ -230,8 +232,8 @@ def phase_times(start: float, queued: QueuedEpoch) -> tuple[dict, float]:
     ends = [start]
     for phase in (queued.experience, queued.training, queued.validation):
         ends.append(max(phase.ready(), ends[-1]))
-    names = ("experience", "training", "validation")
-    return {name: (end - begin) * 1e3 for name, begin, end in zip(names, ends, ends[1:])}, ends[-1]
+    ms = {name: (end - begin) * 1e3 for name, begin, end in zip(PHASES, ends, ends[1:])}
+    return ms, ends[-1]
 
 
 class EpochResults(NamedTuple):

@@ -264,12 +264,11 @@ class Trainer:
         write) and ``paths`` (per instrument).
         """
         split_params, starts, lengths = self._walk_params(split)
-        own = int(lengths.max())
+        own, key = int(lengths.max()), self.walk_key_config(split_params.episode_length)
 
         def walk_with(name):
             jitted, args = programs[name]
-            compiled, _ = compile_cached(jitted, args, name=f"evaluate_{name}",
-                                         config=self.walk_key_config(args[0].episode_length))
+            compiled, _ = compile_cached(jitted, args, name=f"evaluate_{name}", config=key)
             return compiled(*args)
 
         def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
