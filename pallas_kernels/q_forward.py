@@ -206,9 +206,9 @@ class _Blocks:
     ``rows`` None for a bias). With ``lookahead`` k > 0 the loads run k weight blocks ahead of
     use: the next k weight blocks (and the biases before them) are read before a block is handed
     out, so their memory latency overlaps the products in between. Triton issues a load where
-    the program has it, so without this each product first waits for its block. That pays in
-    the Q-forward at large N and not in the rollout kernel, whose timestep is bound by moving
-    the weights rather than by waiting for them. The order is
+    the program has it, so without this each product first waits for its block. That pays
+    where a program's row blocks are full (the Q-forward at large N, a population's rollout);
+    :mod:`pallas_kernels.tuning` holds the depths. The order is
     recorded by a first, abstract pass of the same forward (``ops=None``: blocks are zeros,
     nothing is read), so it has one definition.
     """
