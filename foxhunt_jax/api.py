@@ -276,6 +276,9 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
         log("compiling the phase programs (or loading them from the executable cache) ...")
         trainer.compile(state, queued=queue_after(epoch, selection)[1] >= 1)
         log(compile_line(trainer))
+        if final_report and not isinstance(trainer, GymnaxTrainer) and jax.process_count() == 1:
+            # the report's walk programs compile while the epochs run
+            trainer.compile_walks_in_background(parallel.to_host(state.agent))
     bar = _progress(progress, epochs, epoch)
     warned = False
     try:

@@ -14,8 +14,9 @@ episodes and of replay, placed on a 1-D device mesh along ``"data"``; the agent 
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -33,7 +34,7 @@ from foxhunt_jax.data.market import MarketData
 from foxhunt_jax.env import trading
 from foxhunt_jax.env.gymnax_task import TRADING
 from foxhunt_jax.errors import ConfigError
-from foxhunt_jax.jitcache import compile_cached, jit
+from foxhunt_jax.jitcache import cache_key, compile_cached, jit
 from foxhunt_jax.training import validate
 from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
 from foxhunt_jax.training.phases import (TRADING_ADAPTER, TrainerState, initial_agent,
@@ -70,6 +71,9 @@ class Trainer:
     # mesh, that later epochs leave alone): what a selection keeps
     validated_params: Any = None
     _validation_buy_and_hold: dict | None = None  # its metrics on the validation windows
+    # the full walks' executables by cache key (compile_walks), and the thread compiling them
+    _walk_executables: dict = field(default_factory=dict)
+    _walks_compiling: threading.Thread | None = None
 
     @classmethod
     def build(cls, cfg: Config, market: MarketData | None = None,
@@ -266,16 +270,16 @@ class Trainer:
         split_params, starts, lengths = self._walk_params(split)
         own, key = int(lengths.max()), self.walk_key_config(split_params.episode_length)
 
-        def walk_with(name):
-            jitted, args = programs[name]
-            compiled, _ = compile_cached(jitted, args, name=f"evaluate_{name}", config=key)
-            return compiled(*args)
-
         def walked(traj):  # a deterministic policy's paths, with the actions it took [W, L, B]
             traj = validate.own_walks(traj, len(starts), own, walk_axis=1, time_axis=0)
             return dict(validate.equity_paths(traj), action=np.swapaxes(traj["action"], 0, 1))
 
         programs = self._walk_programs(agent, split, seed, split_params, starts, lengths)
+        if self._walks_compiling is not None:  # compile_walks_in_background
+            self._walks_compiling.join()
+            self._walks_compiling = None
+        executables = self._compiled_walks(programs, key)
+        walk_with = lambda name: executables[name](*programs[name][1])  # noqa: E731
         paths = {name: walked(walk_with(name)) for name in programs if name != "random"}
         paths["buy_and_hold"] = validate.buy_and_hold_paths(self.tables, self.cfg.env, starts,
                                                             lengths)
@@ -286,6 +290,41 @@ class Trainer:
         dates = validate.walk_dates(self.tables.timestamps, starts, lengths)
         names = [self.tables.instrument_names[int(self.tables.instrument[s])] for s in starts]
         return evaluation_results(paths, random, dates, names, self.market.bars_per_year)
+
+    def _compiled_walks(self, programs: dict, key: dict) -> dict:
+        """``{name: executable}`` of :meth:`walk_programs`' ``programs`` keyed by ``key``
+        (:meth:`walk_key_config`): compiled here once (or loaded from the executable cache) and
+        kept."""
+        out = {}
+        for name, (jitted, args) in programs.items():
+            digest = cache_key(f"evaluate_{name}", key, args)
+            if digest not in self._walk_executables:
+                self._walk_executables[digest], _ = compile_cached(
+                    jitted, args, name=f"evaluate_{name}", config=key)
+            out[name] = self._walk_executables[digest]
+        return out
+
+    def compile_walks(self, agent: AgentState) -> None:
+        """Compiles (or loads) the programs of :meth:`evaluate_split`'s walks for an agent of
+        ``agent``'s shapes and placement (the validation and test splits share them), so that
+        the final report only runs them."""
+        split_params, starts, lengths = self._walk_params("validation")
+        programs = self._walk_programs(agent, "validation", 0, split_params, starts, lengths)
+        self._compiled_walks(programs, self.walk_key_config(split_params.episode_length))
+
+    def compile_walks_in_background(self, agent: AgentState) -> None:
+        """:meth:`compile_walks` in a thread, while epochs run (a run's final report then
+        waits for what is left of it); on a failure there the report compiles them itself.
+        ``agent``: host arrays, as the report's selected agent."""
+        def work():
+            try:
+                self.compile_walks(agent)
+            except Exception:  # noqa: BLE001 - the report compiles what is missing (and
+                pass  # raises there what failed here)
+
+        self._walks_compiling = threading.Thread(target=work, name="compile-walks",
+                                                 daemon=True)
+        self._walks_compiling.start()
 
     def _walk_params(self, split: str):
         """:func:`validate.evaluation_params` of ``split``, its tables padded as the phases'."""

@@ -413,6 +413,31 @@ def test_validation_and_test_walks_share_their_programs(tmp_path):
     assert names == ["evaluate_agent", "evaluate_random"]
 
 
+def test_walks_compiled_in_background_are_what_the_report_runs(monkeypatch):
+    """``Trainer.compile_walks_in_background`` (what ``train`` starts once its phase programs
+    are ready) leaves both splits' walks nothing to compile, and they walk as a trainer that
+    compiles them itself does."""
+    from foxhunt_jax import parallel
+    from foxhunt_jax.training import trainer as trainer_module
+
+    cfg = load_config("smoke", UNEQUAL_SPLITS)
+    agent = parallel.to_host(Trainer.build(cfg).init_state(seed=3).agent)
+    alone = Trainer.build(cfg)
+    expected = {s: _walk_results(alone, agent, s) for s in ("validation", "test")}
+
+    ahead = Trainer.build(cfg)
+    ahead.compile_walks_in_background(agent)
+    ahead._walks_compiling.join()
+
+    def no_compile(*args, **kw):
+        raise AssertionError("a walk program compiled after compile_walks_in_background")
+
+    monkeypatch.setattr(trainer_module, "compile_cached", no_compile)
+    for split in ("validation", "test"):
+        jax.tree.map(np.testing.assert_array_equal, _walk_results(ahead, agent, split),
+                     expected[split])
+
+
 def test_a_walk_past_the_split_s_end_gives_the_split_s_own_walk(monkeypatch):
     """The validation split walked for the test split's length and instruments, its results
     cut to its own: the same paths, curves and metrics as a walk of its own."""
