@@ -322,8 +322,9 @@ class Trainer:
             except Exception:  # noqa: BLE001 - the report compiles what is missing (and
                 pass  # raises there what failed here)
 
-        self._walks_compiling = threading.Thread(target=work, name="compile-walks",
-                                                 daemon=True)
+        # not a daemon: a process that ends early (an error, an interrupt) waits for the
+        # compile, as one cut off by the interpreter's exit aborts the process
+        self._walks_compiling = threading.Thread(target=work, name="compile-walks")
         self._walks_compiling.start()
 
     def _walk_params(self, split: str):
