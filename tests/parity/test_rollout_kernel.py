@@ -58,13 +58,36 @@ def _agent(learner, params, seed):
     return agent.replace(params=p)
 
 
+def _agreement(got_action, ref_action) -> np.ndarray:
+    """[N] episodes whose every action agrees."""
+    return np.all(np.asarray(got_action) == np.asarray(ref_action), axis=(0, 2))
+
+
 def _agreeing(got_action, ref_action) -> np.ndarray:
-    """[N] episodes whose every action agrees. Rarely, a greedy near-tie is broken differently by
-    the two (their GEMMs sum in different orders) and that episode's path parts from there on;
-    a fault in the kernel would part most episodes, so at least 3/4 must agree."""
-    same = np.all(np.asarray(got_action) == np.asarray(ref_action), axis=(0, 2))
+    """:func:`_agreement`, at least 3/4 of the episodes. Rarely, a greedy near-tie is broken
+    differently by the two (their GEMMs sum in different orders) and that episode's path parts
+    from there on; a fault in the kernel would part most episodes."""
+    same = _agreement(got_action, ref_action)
     assert same.mean() >= 0.75, f"only {same.mean():.0%} of the episodes agree"
     return same
+
+
+def _agreeing_draw(run, action=lambda t: t["action"], tries: int = 3):
+    """``run(seed) -> (got, ref)`` on fresh seeds until 3/4 of the episodes agree in their
+    ``action(got)`` and ``action(ref)`` (:func:`_agreeing`), at most ``tries`` draws; returns
+    ``(got, ref, same)``. A random agent
+    whose expected Q saturate at ``v_max`` ties many actions to float rounding, and then most
+    episodes part (a 28 % agreement was seen once; 150 other draws agreed on 17 or 18 of 18
+    episodes); a fault in the kernel parts most episodes on every draw."""
+    seen = []
+    for _ in range(tries):
+        seed = int(np.random.default_rng().integers(1 << 30))
+        got, ref = run(seed)
+        same = _agreement(action(got), action(ref))
+        if same.mean() >= 0.75:
+            return got, ref, same
+        seen.append((seed, f"{same.mean():.0%}"))
+    raise AssertionError(f"too few episodes agree on every draw (seed, agreement): {seen}")
 
 
 def _assert_same_trajectory(got, ref):
@@ -88,21 +111,24 @@ def _assert_same_trajectory(got, ref):
       "env.slippage_bps=5"], 20, 0.5),
 ])
 def test_fused_collection_equals_scan(tables, overrides, n, eps):
-    seed = int(np.random.default_rng().integers(1 << 30))
     steps, over = 12, ["env.episode_length=5"] + overrides  # several resets per episode
-    key = jax.random.key(seed)
-    out = {}
-    for backend in ("xla", "pallas"):
-        cfg, params, learner = _setup(tables, backend, over)
-        agent = _agent(learner, params, seed)
-        rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
-        # the fresh agent is an argument, not a constant, so the program hits the compile cache
-        out[backend] = jax.jit(lambda a, r, k, _l=learner, _p=params, _b=BACKENDS[backend]:
-                               collect.trajectory(_l, _b, TRADING_ADAPTER, _p, a, r, k,
-                                                  jnp.float32(eps), steps))(agent.params,
-                                                                            rollout, key)
-    (r_xla, t_xla), (r_pal, t_pal) = out["xla"], out["pallas"]
-    chex.assert_shape(t_pal["action"], (steps, n, len(cfg.env.branch_sizes)))
+
+    def run(seed):
+        key, out = jax.random.key(seed), {}
+        for backend in ("xla", "pallas"):
+            _, params, learner = _setup(tables, backend, over)
+            agent = _agent(learner, params, seed)
+            rollout = collect.start(TRADING_ADAPTER, params, jax.random.fold_in(key, 1), n)
+            # the fresh agent is an argument, not a constant: the program hits the compile cache
+            out[backend] = jax.jit(lambda a, r, k, _l=learner, _p=params, _b=BACKENDS[backend]:
+                                   collect.trajectory(_l, _b, TRADING_ADAPTER, _p, a, r, k,
+                                                      jnp.float32(eps), steps))(agent.params,
+                                                                                rollout, key)
+        return out["pallas"], out["xla"]
+
+    (r_pal, t_pal), (r_xla, t_xla), _ = _agreeing_draw(run, action=lambda o: o[1]["action"])
+    branches = len(_setup(tables, "xla", over)[0].env.branch_sizes)
+    chex.assert_shape(t_pal["action"], (steps, n, branches))
     chex.assert_type(t_pal["action"], jnp.int32)
     chex.assert_shape(t_pal["next_obs"]["portfolio"], (steps, n, trading.PORTFOLIO_DIM))
     same = _assert_same_trajectory(t_pal, t_xla)
@@ -162,23 +188,25 @@ def test_fused_collection_feeds_the_whole_experience_phase(tables):
 @pytest.mark.parametrize("overrides", [
     ["env.slippage_bps=2"], ["env.ruin_floor=0.985", "env.cost_bps=20", "env.fill=close"]])
 def test_fused_evaluation_equals_scan(tables, overrides):
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 30))
     steps = 10
-    got = {}
-    for backend in ("xla", "pallas"):
-        cfg, params, learner = _setup(tables, backend, overrides, split="validation")
-        agent = _agent(learner, params, seed)
-        starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 18))
-        lengths = jnp.asarray(rng.integers(1, steps + 1, size=starts.shape[0]), jnp.int32) \
-            if backend == "xla" else got["lengths"]
-        got["lengths"] = lengths
-        got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params, _b=BACKENDS[backend]:
-                               validate.greedy_rollout(_l, _b, p, _e, s, steps, jax.random.key(0),
-                                                       le))(agent.params, starts, lengths)
-    ref, out = got["xla"], got["pallas"]
+
+    def run(seed):
+        rng, got = np.random.default_rng(seed), {}
+        for backend in ("xla", "pallas"):
+            _, params, learner = _setup(tables, backend, overrides, split="validation")
+            agent = _agent(learner, params, seed)
+            starts = jnp.asarray(validate.window_starts(np.asarray(params.starts), 18))
+            lengths = jnp.asarray(rng.integers(1, steps + 1, size=starts.shape[0]), jnp.int32) \
+                if backend == "xla" else got["lengths"]
+            got["lengths"] = lengths
+            got[backend] = jax.jit(lambda p, s, le, _l=learner, _e=params, _b=BACKENDS[backend]:
+                                   validate.greedy_rollout(_l, _b, p, _e, s, steps,
+                                                           jax.random.key(0), le))(
+                                       agent.params, starts, lengths)
+        return got["pallas"], got["xla"]
+
+    out, ref, same = _agreeing_draw(run)
     assert set(out) == set(ref)
-    same = _agreeing(out["action"], ref["action"])
     pick = lambda x: np.asarray(x)[:, same]  # noqa: E731
     for k in ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive"):
         np.testing.assert_array_equal(pick(out[k]), pick(ref[k]), err_msg=k)
