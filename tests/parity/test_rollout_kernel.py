@@ -75,11 +75,10 @@ def _agreeing(got_action, ref_action) -> np.ndarray:
 def _agreeing_draw(run, action=lambda t: t["action"], tries: int = 3):
     """``run(seed) -> (got, ref)`` on fresh seeds until 3/4 of the episodes agree in their
     ``action(got)`` and ``action(ref)`` (:func:`_agreeing`), at most ``tries`` draws; returns
-    ``(got, ref, same)``. A random agent
-    whose expected Q sit near ``v_max`` can tie many actions to float rounding (see
-    ``test_validation_loss_backends_agree``), and then most episodes part (a 28 % agreement was
-    seen once; 150 other draws agreed on 17 or 18 of 18 episodes); a fault in the kernel parts
-    most episodes on every draw."""
+    ``(got, ref, same)``. A random agent whose expected Q sit near ``v_max`` can tie many
+    actions to float rounding (see ``test_validation_loss_backends_agree``), and then most
+    episodes part (a 28 % agreement was seen once; 150 other draws agreed on 17 or 18 of 18
+    episodes); a fault in the kernel parts most episodes on every draw."""
     seen = []
     for _ in range(tries):
         seed = int(np.random.default_rng().integers(1 << 30))
