@@ -719,6 +719,9 @@ def _train_population(cfg: Config, out: Path | None, writer: RunWriter | None, *
         pop.compile(state)
         log(f"phase programs ready in {pop.compile_ms / 1e3:.1f} s ({pop.executables_loaded} "
             f"of 3 loaded from the executable cache); state init {pop.init_ms / 1e3:.1f} s")
+        if final_report and jax.process_count() == 1:  # every member walks these programs
+            pop.trainer.compile_walks_in_background(
+                parallel.to_host(jax.tree.map(lambda x: x[0], state.agent)))
 
     def queues_after(epoch: int) -> bool:
         """Whether the epoch after ``epoch`` queues the one after it (the single-agent rule:
