@@ -22,6 +22,12 @@ DEFAULT_PROGRAMS = 132
 # Widest power-of-two block of one GEMM operand, per dtype: a [128, 256] x [256, 256] bfloat16
 # tile pair fits a Hopper multiprocessor's shared memory; float32 operands are twice the bytes.
 MAX_CHUNK = {"bfloat16": 256, "float32": 128}
+# The most rows a per-transition pass (initial priorities, novelty) evaluates at once: it holds
+# [rows, width] float32 activations a layer, 1 GiB at 2^20 rows of 256 (a population of 64
+# seed-sized members in one pass held 25 GiB). Shared by the copies of a launch, at least
+# MIN_ROW_CHUNK each.
+ROW_CHUNK = 1 << 20
+MIN_ROW_CHUNK = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ class Tuning:
         the scan of per-step kernels is the faster form (one program then holds too many
         episodes' state for the multiprocessors to stay occupied).
       replay: the replay buffer's search shape (:class:`ReplaySearch`).
+      row_chunk: the most rows of one copy that a per-transition pass evaluates at once
+        (:data:`ROW_CHUNK` shared among the copies, :func:`for_device`).
     """
 
     compiled: bool
@@ -96,6 +104,7 @@ class Tuning:
     rnd: KernelConfig
     rollout_max_episodes: int
     replay: ReplaySearch
+    row_chunk: int = ROW_CHUNK
 
     def q_forward_config(self, dtype: str) -> KernelConfig:
         return dict(self.q_forward)[dtype]
@@ -118,13 +127,13 @@ ROLLOUT_MAX_EPISODES = 1 << 15
 _REPLAY_GPU = ReplaySearch(count_max=1 << 24)
 
 
-def _table(compiled: bool, programs: int) -> Tuning:
+def _table(compiled: bool, programs: int, row_chunk: int = ROW_CHUNK) -> Tuning:
     shaped = lambda table: tuple((dtype, dataclasses.replace(cfg, programs=programs))  # noqa: E731
                                  for dtype, cfg in table.items())
     return Tuning(compiled=compiled, programs=programs, q_forward=shaped(_Q_FORWARD),
                   rollout=shaped(_Q_FORWARD), rnd=dataclasses.replace(_RND, programs=programs),
                   rollout_max_episodes=ROLLOUT_MAX_EPISODES,
-                  replay=_REPLAY_GPU if compiled else ReplaySearch())
+                  replay=_REPLAY_GPU if compiled else ReplaySearch(), row_chunk=row_chunk)
 
 
 def is_cuda(device) -> bool:
@@ -141,14 +150,17 @@ def for_device(device=None, copies: int = 1) -> Tuning:
     grid axis of that size, e.g. a population's members on this device). The multiprocessors
     are shared among them: a launch aims for ``programs / copies`` programs (at least one), so
     the rows of all copies fill the device with full-size blocks instead of each copy cutting
-    its rows into blocks for the whole device.
+    its rows into blocks for the whole device. The device's memory is shared likewise: each
+    copy's per-transition passes take ``ROW_CHUNK / copies`` rows at a time.
     """
     if device is None:
         device = jax.devices()[0]
     cores = getattr(device, "core_count", None) if is_cuda(device) else None
     programs = int(cores) if cores else DEFAULT_PROGRAMS
-    return _table(is_cuda(device), max(1, programs // max(1, int(copies))))
+    copies = max(1, int(copies))
+    return _table(is_cuda(device), max(1, programs // copies),
+                  max(MIN_ROW_CHUNK, ROW_CHUNK // copies))
 
 
 __all__ = ["KernelConfig", "ReplaySearch", "Tuning", "for_device", "is_cuda", "block_rows_for",
-           "next_pow2", "DEFAULT_PROGRAMS", "MAX_CHUNK", "ROLLOUT_MAX_EPISODES"]
+           "next_pow2", "DEFAULT_PROGRAMS", "MAX_CHUNK", "ROLLOUT_MAX_EPISODES", "ROW_CHUNK"]

@@ -110,22 +110,23 @@ def start(adapter: EnvAdapter, env_params, key: jax.Array, num_episodes: int) ->
     return Rollout(env_state=state, obs=obs)
 
 
-# Initial priorities are computed this many transitions at a time: three network forwards over all
-# L * N transitions at once would hold [L*N, width] activations (26 GB per layer at N = 256k).
-PRIORITY_CHUNK = 1 << 20
+_CHUNK_ALIGN = 128  # rows: chunks stay whole blocks of the kernels' launch shapes
 
 
-def chunked(fn: Callable, items: Any, chunk: int) -> Any:
-    """``fn(items [M, ...]) -> [M, ...]`` (arrays or a pytree of them) evaluated ``chunk`` rows
-    at a time (``lax.map``).
+def chunked(fn: Callable, items: Any, most: int) -> Any:
+    """``fn(items [M, ...]) -> [M, ...]`` (arrays or a pytree of them) evaluated at most
+    ``most`` rows at a time (``lax.map``), in chunks of one size: the fewest that hold ``M``
+    rows, each rounded up to a multiple of 128 rows (while that stays within ``most``).
 
-    Rows are independent, so the result is ``fn(items)``; ``M <= chunk`` calls ``fn`` once.
+    Rows are independent, so the result is ``fn(items)``; ``M <= most`` calls ``fn`` once.
     The last chunk is padded with copies of row 0 and the padding dropped.
     """
     m = jax.tree.leaves(items)[0].shape[0]
-    if m <= chunk:
+    if m <= most:
         return fn(items)
-    k = -(-m // chunk)
+    ceil_div = lambda a, b: -(-a // b)  # noqa: E731
+    chunk = min(most, ceil_div(ceil_div(m, ceil_div(m, most)), _CHUNK_ALIGN) * _CHUNK_ALIGN)
+    k = ceil_div(m, chunk)
     pad = lambda x: jnp.concatenate([x, jnp.broadcast_to(x[:1], (k * chunk - m,) + x.shape[1:])])
     blocks = jax.tree.map(lambda x: pad(x).reshape((k, chunk) + x.shape[1:]), items)
     return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:m], jax.lax.map(fn, blocks))
@@ -152,7 +153,7 @@ def greedy_after(learner: Learner, backend: Backend, params, greedy: jax.Array, 
         return backend.q_forward(params, decode(e), learner.network, learner.support)[1]
 
     shifted = flat(jnp.concatenate([greedy[1:], greedy[-1:]]))
-    found = chunked(forward, rows, PRIORITY_CHUNK)
+    found = chunked(forward, rows, backend.tuning.row_chunk)
     return shifted.at[idx].set(found, mode="drop").reshape(steps, n, b)
 
 
@@ -302,15 +303,17 @@ def trajectory(learner: Learner, backend: Backend, adapter: EnvAdapter, env_para
 def novelty(backend: Backend, adapter: EnvAdapter, env_params, rnd, enc,
             spans=None) -> jax.Array:
     """Raw RND prediction error (``backend.novelty``) of encoded observations ``enc [L, N, ...]``
-    -> ``[L, N]``, computed ``PRIORITY_CHUNK`` rows at a time, and separately for each span of
-    steps ``spans`` (``[start, stop)`` pairs covering ``[0, L)``; default one): with a rollout's
-    :func:`rollout_spans` the pass over a launch's steps depends on that launch alone."""
+    -> ``[L, N]``, computed ``backend.tuning.row_chunk`` rows at a time (:func:`chunked`), and
+    separately for each span of steps ``spans`` (``[start, stop)`` pairs covering ``[0, L)``;
+    default one): with a rollout's :func:`rollout_spans` the pass over a launch's steps depends
+    on that launch alone."""
     lead = jax.tree.leaves(enc)[0].shape[:2]
     err = lambda e: backend.novelty(rnd, adapter.decode(e, env_params))  # noqa: E731
     parts = []
     for start, stop in spans or ((0, lead[0]),):
         flat = jax.tree.map(lambda x: x[start:stop].reshape((-1,) + x.shape[2:]), enc)
-        parts.append(chunked(err, flat, PRIORITY_CHUNK).reshape((stop - start, lead[1])))
+        parts.append(chunked(err, flat, backend.tuning.row_chunk).reshape(
+            (stop - start, lead[1])))
     return jnp.concatenate(parts, axis=0)
 
 
@@ -359,7 +362,7 @@ def _collect(learner: Learner, backend: Backend, adapter: EnvAdapter, env_params
     parts = {"next_obs": items["next_obs"], "reward": items["reward"],
              "discount": items["discount"], "greedy": flat(boot),
              "taken": tuple(flat(x) for x in traj["taken_logits"])}
-    priorities = chunked(loss_of, parts, PRIORITY_CHUNK)
+    priorities = chunked(loss_of, parts, backend.tuning.row_chunk)
     stats = {"reward": jnp.mean(extrinsic), "bonus": jnp.mean(bonus),
              "episodes_done": jnp.sum(traj["terminated"] | traj["truncated"]),
              "terminated": jnp.sum(traj["terminated"])}

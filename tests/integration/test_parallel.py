@@ -195,21 +195,31 @@ def test_sharded_learner_step_is_one_update_on_the_global_batch():
                                    rtol=1e-5)
 
 
-def test_chunked_priorities_equal_one_pass():
-    rng = np.random.default_rng(4)
-    items = {"a": rng.normal(size=(11, 3)).astype(np.float32),
-             "b": rng.integers(0, 5, size=11).astype(np.int32)}
-    fn = lambda it: jnp.sum(jnp.square(it["a"]), axis=1) * it["b"]
+@pytest.mark.parametrize("m, most, calls", [
+    (11, 4, 3),  # a padded last chunk
+    (11, 11, 1), (11, 64, 1),  # an exact fit, a single call
+    (1000, 768, 2),  # two chunks of 512 rows (128-row multiples), not 768 and 232
+])
+def test_chunked_priorities_equal_one_pass(m, most, calls):
+    rng = np.random.default_rng()
+    items = {"a": rng.normal(size=(m, 3)).astype(np.float32),
+             "b": rng.integers(0, 5, size=m).astype(np.int32)}
+    sizes = []
+
+    def fn(it):
+        sizes.append(it["a"].shape[0])
+        return jnp.sum(jnp.square(it["a"]), axis=1) * it["b"]
+
     ref = np.sum(np.square(items["a"].astype(np.float64)), axis=1) * items["b"]
-    for chunk in (4, 11, 64):  # padded last chunk, exact fit, a single call
-        out = chunked(fn, items, chunk)
-        chex.assert_shape(out, (11,))
-        np.testing.assert_allclose(out, ref, rtol=1e-6)
-        # a pytree of [M, ...] results (next_greedy's actions [M, B])
-        pair = chunked(lambda it: (it["a"] * 2.0, it["b"]), items, chunk)
-        chex.assert_shape(pair, ((11, 3), (11,)))
-        np.testing.assert_array_equal(pair[1], items["b"])
-        np.testing.assert_allclose(pair[0], 2.0 * items["a"], rtol=1e-6)
+    out = chunked(fn, items, most)
+    chex.assert_shape(out, (m,))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    assert max(sizes) <= most and -(-m // sizes[0]) == calls  # lax.map traces fn once
+    # a pytree of [M, ...] results (next_greedy's actions [M, B])
+    pair = chunked(lambda it: (it["a"] * 2.0, it["b"]), items, most)
+    chex.assert_shape(pair, ((m, 3), (m,)))
+    np.testing.assert_array_equal(pair[1], items["b"])
+    np.testing.assert_allclose(pair[0], 2.0 * items["a"], rtol=1e-6)
 
 
 # --- sharded collection: per-shard episodes, global curiosity statistics -------------------------

@@ -85,16 +85,22 @@ def test_the_tuning_follows_the_device():
 def test_copies_run_as_one_share_the_multiprocessors():
     """A launch run for P copies at once under vmap (a population's members) aims for
     programs / P programs, so each copy's rows go in full-size blocks: the seed's 1024
-    episodes take 16-row blocks alone (64 programs) and 128-row blocks as one of 64 members."""
+    episodes take 16-row blocks alone (64 programs) and 128-row blocks as one of 64 members.
+    The copies share the rows a per-transition pass holds at once likewise."""
     alone = tuning.for_device(GPU)
     assert tuning.for_device(GPU, copies=1) == alone
-    for copies, programs, rows in ((8, 16, 64), (64, 2, 128), (1000, 1, 128)):
+    assert alone.row_chunk == tuning.ROW_CHUNK == tuning.for_device().row_chunk
+    for copies, programs, rows, row_chunk in ((8, 16, 64, 1 << 17), (64, 2, 128, 1 << 14),
+                                              (1000, 1, 128, 1048)):
         shared = tuning.for_device(GPU, copies=copies)
         assert shared.programs == programs and shared.compiled
         assert tuning.block_rows_for(1024, shared.rollout_config("bfloat16")) == rows
-        # only the grid target differs
+        assert shared.row_chunk == row_chunk
+        # only the grid target and the row chunk differ
         assert dataclasses.replace(shared, programs=132, q_forward=alone.q_forward,
-                                   rollout=alone.rollout, rnd=alone.rnd) == alone
+                                   rollout=alone.rollout, rnd=alone.rnd,
+                                   row_chunk=alone.row_chunk) == alone
+    assert tuning.for_device(GPU, copies=4096).row_chunk == tuning.MIN_ROW_CHUNK
     assert tuning.block_rows_for(1024, alone.rollout_config("bfloat16")) == 16
     cfg = load_config(None, ["network.dtype=bfloat16"])
     assert backends.resolve(cfg.network, GPU, copies=64).tuning == tuning.for_device(GPU, 64)
