@@ -22,10 +22,9 @@ DEFAULT_PROGRAMS = 132
 # Widest power-of-two block of one GEMM operand, per dtype: a [128, 256] x [256, 256] bfloat16
 # tile pair fits a Hopper multiprocessor's shared memory; float32 operands are twice the bytes.
 MAX_CHUNK = {"bfloat16": 256, "float32": 128}
-# The most rows a per-transition pass (initial priorities, novelty) evaluates at once: it holds
-# [rows, width] float32 activations a layer, 1 GiB at 2^20 rows of 256 (a population of 64
-# seed-sized members in one pass held 25 GiB). Shared by the copies of a launch, at least
-# MIN_ROW_CHUNK each.
+# The most rows a per-transition pass (initial priorities, novelty) evaluates at once, as it
+# holds [rows, width] float32 activations a layer (1 GiB at 2^20 rows of 256); shared by the
+# copies of a launch, at least MIN_ROW_CHUNK each.
 ROW_CHUNK = 1 << 20
 MIN_ROW_CHUNK = 1 << 10
 
