@@ -103,7 +103,7 @@ class Tuning:
     rnd: KernelConfig
     rollout_max_episodes: int
     replay: ReplaySearch
-    row_chunk: int = ROW_CHUNK
+    row_chunk: int
 
     def q_forward_config(self, dtype: str) -> KernelConfig:
         return dict(self.q_forward)[dtype]
@@ -126,7 +126,7 @@ ROLLOUT_MAX_EPISODES = 1 << 15
 _REPLAY_GPU = ReplaySearch(count_max=1 << 24)
 
 
-def _table(compiled: bool, programs: int, row_chunk: int = ROW_CHUNK) -> Tuning:
+def _table(compiled: bool, programs: int, row_chunk: int) -> Tuning:
     shaped = lambda table: tuple((dtype, dataclasses.replace(cfg, programs=programs))  # noqa: E731
                                  for dtype, cfg in table.items())
     return Tuning(compiled=compiled, programs=programs, q_forward=shaped(_Q_FORWARD),
