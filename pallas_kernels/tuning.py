@@ -22,12 +22,12 @@ DEFAULT_PROGRAMS = 132
 # Widest power-of-two block of one GEMM operand, per dtype: a [128, 256] x [256, 256] bfloat16
 # tile pair fits a Hopper multiprocessor's shared memory; float32 operands are twice the bytes.
 MAX_CHUNK = {"bfloat16": 256, "float32": 128}
-# The rows a per-transition pass (initial priorities, novelty) evaluates at once on a device, as
-# it holds [rows, width] float32 activations a layer (1 GiB at 2^20 rows of 256): ROW_CHUNK
-# where the device does not report its memory (the CPU), else as many rows as fit in
-# PASS_MEMORY_FRACTION of its memory at ROW_BYTES of temporaries a row (what a population's
-# Experience program holds, compiled for the CPU), if more. Shared by the copies of a launch, at
-# least MIN_ROW_CHUNK each.
+# The rows a per-transition pass (initial priorities, novelty) evaluates at once, as it holds
+# [rows, width] float32 activations a layer (1 GiB at 2^20 rows of 256): at most ROW_CHUNK for
+# one copy of a launch, and the copies together at most the device's pass_rows (ROW_CHUNK, or
+# what PASS_MEMORY_FRACTION of a device's reported memory holds at ROW_BYTES of temporaries a
+# row, what a population's Experience program holds compiled for the CPU); at least
+# MIN_ROW_CHUNK a copy.
 ROW_CHUNK = 1 << 20
 MIN_ROW_CHUNK = 1 << 10
 ROW_BYTES = 4096
@@ -98,7 +98,8 @@ class Tuning:
         episodes' state for the multiprocessors to stay occupied).
       replay: the replay buffer's search shape (:class:`ReplaySearch`).
       row_chunk: the most rows of one copy that a per-transition pass evaluates at once
-        (the device's :func:`pass_rows` shared among the copies, :func:`for_device`).
+        (the device's :func:`pass_rows` shared among the copies, at most :data:`ROW_CHUNK`;
+        :func:`for_device`).
     """
 
     compiled: bool
@@ -146,13 +147,17 @@ def is_cuda(device) -> bool:
 
 
 def pass_rows(device) -> int:
-    """The rows a per-transition pass may evaluate at once on ``device``: :data:`ROW_CHUNK`, or
-    more where the device reports its memory (``memory_stats()["bytes_limit"]``, a GPU) and
-    :data:`PASS_MEMORY_FRACTION` of it holds more rows at :data:`ROW_BYTES` each."""
+    """The rows the per-transition passes of all copies of a launch may evaluate at once on
+    ``device``: :data:`ROW_CHUNK`, or more in a one-process run where the device reports its
+    memory (``memory_stats()["bytes_limit"]``, a GPU) and :data:`PASS_MEMORY_FRACTION` of it
+    holds more rows at :data:`ROW_BYTES` each. The processes of a multi-process run keep
+    :data:`ROW_CHUNK`: they must compile the same programs, and they cannot read each other's
+    devices."""
+    if jax.process_count() > 1:
+        return ROW_CHUNK
     stats = getattr(device, "memory_stats", None)
     limit = (stats() or {}).get("bytes_limit", 0) if callable(stats) else 0
-    fits = int(limit * PASS_MEMORY_FRACTION) // ROW_BYTES
-    return max(ROW_CHUNK, fits)
+    return max(ROW_CHUNK, int(limit * PASS_MEMORY_FRACTION) // ROW_BYTES)
 
 
 def for_device(device=None, copies: int = 1) -> Tuning:
@@ -165,7 +170,8 @@ def for_device(device=None, copies: int = 1) -> Tuning:
     are shared among them: a launch aims for ``programs / copies`` programs (at least one), so
     the rows of all copies fill the device with full-size blocks instead of each copy cutting
     its rows into blocks for the whole device. The device's memory is shared likewise: each
-    copy's per-transition passes take ``pass_rows(device) / copies`` rows at a time.
+    copy's per-transition passes take ``pass_rows(device) / copies`` rows at a time, at most
+    :data:`ROW_CHUNK` (a single agent's).
     """
     if device is None:
         device = jax.devices()[0]
@@ -173,7 +179,7 @@ def for_device(device=None, copies: int = 1) -> Tuning:
     programs = int(cores) if cores else DEFAULT_PROGRAMS
     copies = max(1, int(copies))
     return _table(is_cuda(device), max(1, programs // copies),
-                  max(MIN_ROW_CHUNK, pass_rows(device) // copies))
+                  max(MIN_ROW_CHUNK, min(ROW_CHUNK, pass_rows(device) // copies)))
 
 
 __all__ = ["KernelConfig", "ReplaySearch", "Tuning", "for_device", "is_cuda", "block_rows_for",

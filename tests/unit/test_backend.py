@@ -106,11 +106,12 @@ def test_copies_run_as_one_share_the_multiprocessors():
     assert backends.resolve(cfg.network, GPU, copies=64).tuning == tuning.for_device(GPU, 64)
 
 
-def test_a_device_that_reports_its_memory_gives_its_passes_more_rows():
-    """A per-transition pass takes ``ROW_CHUNK`` rows where the device reports no memory (the
-    CPU) and as many as half its memory holds at ``ROW_BYTES`` a row where that is more: on a
-    GPU with 100 GiB usable, a population of 64 seed-sized members (102,400 transitions each)
-    runs its passes whole."""
+def test_a_device_that_reports_its_memory_gives_its_passes_more_rows(monkeypatch):
+    """The copies of a launch share ``ROW_CHUNK`` rows a pass where the device reports no
+    memory (the CPU), and as many as half its memory holds at ``ROW_BYTES`` a row where that is
+    more, each copy at most ``ROW_CHUNK`` (a single agent's). On a GPU with 100 GiB usable, a
+    population of 64 seed-sized members (102,400 transitions each) runs its passes whole. A
+    multi-process run keeps ``ROW_CHUNK`` (its processes must compile the same programs)."""
     def gpu(limit):
         return SimpleNamespace(platform="gpu", core_count=132,
                                memory_stats=lambda: None if limit is None else
@@ -119,15 +120,19 @@ def test_a_device_that_reports_its_memory_gives_its_passes_more_rows():
     big = 100 * 2**30
     expect = int(big * tuning.PASS_MEMORY_FRACTION) // tuning.ROW_BYTES
     assert tuning.pass_rows(gpu(big)) == expect > tuning.ROW_CHUNK
-    assert tuning.for_device(gpu(big)).row_chunk == expect
+    assert tuning.for_device(gpu(big)).row_chunk == tuning.ROW_CHUNK  # one copy: a single agent's
+    assert tuning.for_device(gpu(big), copies=8).row_chunk == tuning.ROW_CHUNK
     assert tuning.for_device(gpu(big), copies=64).row_chunk == expect // 64 >= 102_400
     for small in (None, 0, 2**30):  # no figure, or less than ROW_CHUNK rows
         assert tuning.pass_rows(gpu(small)) == tuning.ROW_CHUNK
     assert tuning.pass_rows(GPU) == tuning.pass_rows(CPU) == tuning.ROW_CHUNK
     assert tuning.for_device().row_chunk == tuning.ROW_CHUNK  # this CPU reports none
     # only the row chunk depends on the memory
-    assert dataclasses.replace(tuning.for_device(gpu(big), copies=8),
-                               row_chunk=tuning.ROW_CHUNK // 8) == tuning.for_device(GPU, 8)
+    assert dataclasses.replace(tuning.for_device(gpu(big), copies=64),
+                               row_chunk=tuning.ROW_CHUNK // 64) == tuning.for_device(GPU, 64)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert tuning.pass_rows(gpu(big)) == tuning.ROW_CHUNK
+    assert tuning.for_device(gpu(big), copies=64).row_chunk == tuning.ROW_CHUNK // 64
 
 
 def test_block_rows_stay_powers_of_two_within_bounds():
