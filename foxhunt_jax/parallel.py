@@ -22,6 +22,7 @@ and report, and every process calls the (synchronizing) checkpoint save.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ ENV_COORDINATOR = "FOXHUNT_COORDINATOR"
 ENV_NUM_PROCESSES = "FOXHUNT_NUM_PROCESSES"
 ENV_PROCESS_ID = "FOXHUNT_PROCESS_ID"
 ENV_DISTRIBUTED = "FOXHUNT_DISTRIBUTED"
+# How long a process waits at a barrier for the others (wait_for_all_processes)
+BARRIER_TIMEOUT_S = 3600
 
 
 # --- mesh and shardings --------------------------------------------------------------------------
@@ -241,6 +244,34 @@ def initialize(spec: DistributedSpec | None) -> bool:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"jax.distributed.initialize failed: {first}") from None
     return True
+
+
+_barrier_ids = itertools.count()
+
+
+def _coordination_client():
+    """The client of the coordination service this process joined (None if it joined none):
+    the barrier JAX's own checkpointing waits at, which no public API offers."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def wait_for_all_processes(what: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
+    """Returns once every process of a multi-process run has reached this call for ``what``
+    (at once in a run of one process); raises if they have not all come within ``timeout_s``.
+
+    The processes compile their programs each for itself, and one can take minutes longer than
+    another (a cold compile cache beside a warm one, a busier host). The first collective of a
+    program then waits for the late process, but on a CPU gloo gives up after 30 s. So a caller
+    waits here, at the coordination service's barrier, after compiling and before running.
+    Every process makes the same calls in the same order, so the barriers' numbers agree.
+    """
+    client = _coordination_client()
+    if jax.process_count() == 1 or client is None:
+        return
+    client.wait_at_barrier(f"foxhunt_jax/{next(_barrier_ids)}/{what}",
+                           timeout_in_ms=int(timeout_s * 1000))
 
 
 def unused_devices_note(mesh: Mesh, shards: int) -> str | None:

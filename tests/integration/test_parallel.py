@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -75,6 +76,25 @@ def test_distributed_spec_from_flags_and_environment():
                            ({"mode": "sometimes"}, "--distributed")]:
         with pytest.raises(ConfigError, match=needle):
             parallel.distributed_spec(environ={}, **kwargs)
+
+
+def test_processes_wait_for_each_other_at_numbered_barriers(monkeypatch):
+    """``wait_for_all_processes`` returns at once alone; in a run of several processes it
+    waits at the coordination service's barrier, each call a barrier of its own (its number,
+    then what it waits for) with the timeout in milliseconds."""
+    calls = []
+    client = SimpleNamespace(wait_at_barrier=lambda key, timeout_in_ms: calls.append(
+        (key, timeout_in_ms)))
+    monkeypatch.setattr(parallel, "_coordination_client", lambda: client)
+    parallel.wait_for_all_processes("alone")
+    assert calls == []  # one process: nothing to wait for
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    parallel.wait_for_all_processes("programs", timeout_s=5)
+    parallel.wait_for_all_processes("programs")
+    (k1, t1), (k2, t2) = calls
+    assert k1 != k2 and k1.endswith("/programs") and k2.endswith("/programs")
+    assert int(k2.split("/")[1]) == int(k1.split("/")[1]) + 1
+    assert (t1, t2) == (5000, parallel.BARRIER_TIMEOUT_S * 1000)
 
 
 def test_cli_bad_multiprocess_flags_are_one_line_errors(capsys, tmp_path):
