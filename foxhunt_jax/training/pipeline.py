@@ -339,10 +339,8 @@ class Pipeline:
         """Compiles (or loads) :meth:`jitted_programs` in place of any compiled before; returns
         the milliseconds it took and how many the executable cache served. ``threads``: one
         thread a program (XLA's compiler and the loading release the GIL)."""
-        start = time.perf_counter()
         self.programs = {}
-        loaded = self._compile(self.jitted_programs(state, queued), threads)
-        return (time.perf_counter() - start) * 1e3, loaded
+        return self._compile(self.jitted_programs(state, queued), threads)
 
     def compile_paired(self, state: TrainerState) -> float:
         """Compiles ``validation_experience`` where :attr:`pairs_rollouts` holds and it is not
@@ -350,14 +348,16 @@ class Pipeline:
         milliseconds it took, 0.0 when there was nothing to do."""
         if not self.pairs_rollouts or PAIRED_PROGRAM in self.programs:
             return 0.0
-        start = time.perf_counter()
         paired = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
-        self._compile({PAIRED_PROGRAM: paired}, threads=False)
-        return (time.perf_counter() - start) * 1e3
+        return self._compile({PAIRED_PROGRAM: paired}, threads=False)[0]
 
-    def _compile(self, jitted: dict, threads: bool) -> int:
-        """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns how many
-        the executable cache served."""
+    def _compile(self, jitted: dict, threads: bool) -> tuple[float, int]:
+        """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns the
+        milliseconds it took and how many the executable cache served. In a run of several
+        processes each then waits until every process has these programs
+        (:func:`parallel.wait_for_all_processes`, not counted in the milliseconds), so that none
+        starts a collective the others reach only after a longer compile."""
+        start = time.perf_counter()
         def build(name):
             program, args = jitted[name]
             return compile_cached(program, args, name=name,
@@ -369,7 +369,9 @@ class Pipeline:
         else:
             built = {name: build(name) for name in jitted}
         self.programs.update({name: compiled for name, (compiled, _) in built.items()})
-        return sum(int(loaded) for _, loaded in built.values())
+        ms = (time.perf_counter() - start) * 1e3
+        parallel.wait_for_all_processes("compiled " + ",".join(jitted))
+        return ms, sum(int(loaded) for _, loaded in built.values())
 
     def run_epoch(self, state: TrainerState, queue_next: int = 0
                   ) -> tuple[TrainerState, EpochResults, dict]:

@@ -179,13 +179,10 @@ class Trainer:
 
         ``threads``: the programs compile in a thread each. ``queued``: also the program that
         queued epochs use where :attr:`pairs_rollouts` holds (otherwise :meth:`run_epoch`
-        compiles it when a queued epoch first needs it). In a run of several processes each
-        then waits until every process has its programs (:func:`parallel.wait_for_all_processes`),
-        so that none starts a collective the others reach only after a longer compile.
+        compiles it when a queued epoch first needs it).
         """
         self.compile_ms, self.executables_loaded = self.pipeline.compile(
             state, threads=threads, queued=queued)
-        parallel.wait_for_all_processes("phase programs compiled")
 
     def run_epoch(self, state: TrainerState, queue_next: int = 0
                   ) -> tuple[TrainerState, dict]:
@@ -201,10 +198,7 @@ class Trainer:
         if not self.pipeline.programs:  # the first epoch of this trainer
             self.compile(state, queued=queue_next >= 1)
         elif queue_next >= 1:
-            paired_ms = self.pipeline.compile_paired(state)
-            if paired_ms:
-                self.compile_ms += paired_ms
-                parallel.wait_for_all_processes("paired program compiled")
+            self.compile_ms += self.pipeline.compile_paired(state)
         state, results, phase_ms = self.pipeline.run_epoch(state, queue_next)
         phase_ms["init"], phase_ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0  # reported once
