@@ -529,10 +529,10 @@ def _kernel(plan: Plan, cd, config: KernelConfig, with_q: bool, with_logits: boo
 # --- the public function ----------------------------------------------------------------------
 
 def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, in_specs,
-           out_specs, out_shape, interpret: bool | None):
+           out_specs, out_shape, interpret: bool | None, aliases: dict | None = None):
     """``pl.pallas_call`` over a 1-D grid: Triton-compiled with ``config``'s warps and stages,
     or interpreted (``interpret=None``: as :func:`pallas_kernels.tuning.for_device` says for the
-    default device)."""
+    default device). ``aliases``: ``{input index: output index}`` buffers updated in place."""
     if interpret is None:
         interpret = not for_device().compiled
     kwargs = {}
@@ -550,7 +550,7 @@ def launch(kernel, name: str, config: KernelConfig, block_rows: int, grid: int, 
             warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
             return pl.pallas_call(kernel, out_shape=out_shape, grid=(grid,), in_specs=in_specs,
                                   out_specs=out_specs, interpret=interpret, name=name,
-                                  **kwargs)(*args)
+                                  input_output_aliases=aliases or {}, **kwargs)(*args)
     return run
 
 

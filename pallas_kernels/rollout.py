@@ -15,7 +15,12 @@ program takes a block of ``BM`` episodes, keeps their state in registers and run
             which the initial priorities reuse); reset finished episodes (collect) or freeze
             them (evaluate)
 
-with one launch for the whole rollout. The env rules are not restated here: the kernel calls
+with one launch for the whole rollout. A collection rollout whose blocks queue for the
+multiprocessors in several waves (a population's members, :data:`pallas_kernels.tuning.
+STEPPED_WAVES`) launches the same step once a timestep instead (``stepped``, under a
+``lax.scan``): each launch reads the state its predecessor wrote and writes step ``t`` of the
+outputs in place, so no program holds its block's state across the whole window. The env rules
+are not restated here: the kernel calls
 :func:`foxhunt_jax.env.trading.advance` and :func:`~foxhunt_jax.env.trading.portfolio_features`
 with Pallas refs in place of the price tables, so the step has one definition.
 
@@ -55,18 +60,24 @@ _SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale", "slippage_r
 
 
 def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num_steps: int,
-            env_static: dict, *refs):
+            env_static: dict, stepped: bool, *refs):
     n_ops = len(operand_names(plan))
     it = iter(refs)
+    step_ref = next(it) if stepped else None
     feat_ref, z_ref, scal_ref = next(it), next(it), next(it)
     tables = {name: next(it) for name in _TABLES}
     st_f_ref, st_i_ref = next(it), next(it)
+    port_ref = next(it) if stepped else None
     draws_ref = next(it) if explore else None
     resets_ref = next(it) if mode == "collect" else None
     lengths_ref = next(it) if mode == "evaluate" else None
     ops = dict(zip(operand_names(plan), [next(it) for _ in range(n_ops)]))
+    if stepped:  # the outputs' buffers come in too (aliased to the outputs); only step t is written
+        for _ in range(3 if mode == "collect" else 2):
+            next(it)
     out_f_ref, out_i_ref, end_f_ref, end_i_ref = next(it), next(it), next(it), next(it)
     taken_ref = next(it) if mode == "collect" else None
+    end_port_ref = next(it) if stepped else None
     nb = len(plan.branch_sizes)
 
     scal = {name: scal_ref[i] for i, name in enumerate(_SCALARS)}
@@ -138,8 +149,16 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
     fields.update({name: st_i_ref[i, :] for i, name in enumerate(STATE_I)})
     state0 = trading.EnvState(**fields)
     alive0 = jnp.ones(state0.bar.shape, jnp.bool_)
-    port0 = trading.portfolio_features(state0, params)
-    state, _, _ = jax.lax.fori_loop(0, num_steps, body, (state0, port0, alive0))
+    if stepped:  # one step, t = step_ref[0]; the portfolio features carried in memory after t = 0
+        t = step_ref[0]
+        first = trading.portfolio_features(state0, params)
+        port0 = tuple(jnp.where(t == 0, f, port_ref[j, :]) for j, f in enumerate(first))
+        state, port, _ = body(t, (state0, port0, alive0))
+        for j in range(P):
+            end_port_ref[j, :] = port[j]
+    else:
+        port0 = trading.portfolio_features(state0, params)
+        state, _, _ = jax.lax.fori_loop(0, num_steps, body, (state0, port0, alive0))
     for i, name in enumerate(STATE_F):
         end_f_ref[i, :] = getattr(state, name)
     for i, name in enumerate(STATE_I):
@@ -171,7 +190,8 @@ def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
 def fused_rollout(params: Any, network, support: jax.Array, env_params, state, num_steps: int,
                   *, mode: str = "collect", draws: jax.Array | None = None,
                   reset_bars: jax.Array | None = None, lengths: jax.Array | None = None,
-                  config: KernelConfig | None = None, interpret: bool | None = None):
+                  config: KernelConfig | None = None, interpret: bool | None = None,
+                  stepped: bool = False):
     """``num_steps`` steps of N trading episodes under the network's (epsilon-)greedy policy.
 
     Args:
@@ -185,6 +205,8 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
         -1 = greedy), or None for the greedy policy.
       config, interpret: launch shape and mode (default: the tuning table's for the default
         device, :mod:`pallas_kernels.tuning`).
+      stepped: (collect mode) one launch a timestep under ``lax.scan`` instead of one for the
+        window; the same results bit for bit (:func:`_run_stepped`).
     Returns:
       ``(out, end_state)``: ``out`` maps each name of ``OUT_F`` / ``OUT_I`` to ``[L, N]`` and
       ``"action"`` to ``[L, N, B]`` int32 (raw step results; the callers mask them); in collect
@@ -258,9 +280,15 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                   "has_stop_loss": env_params.has_stop_loss,
                   "fill_next_open": env_params.fill_next_open}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
-                               draws is not None, L, env_static)
-    outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),
-                  tuple(out_shape), interpret)(*inputs)
+                               draws is not None, L, env_static, stepped)
+    if stepped:
+        if mode != "collect":
+            raise ValueError("fused_rollout: stepped launches are for collect mode")
+        outs = _run_stepped(kernel, config, bm, rows, inputs, specs, out_specs, out_shape,
+                            interpret, L)
+    else:
+        outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),
+                      tuple(out_shape), interpret)(*inputs)
     out_f, out_i, end_f, end_i = outs[:4]
 
     out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
@@ -274,6 +302,41 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     fields = {s: end_f[i, :n] for i, s in enumerate(STATE_F)}
     fields.update({s: end_i[i, :n] for i, s in enumerate(STATE_I)})
     return out, trading.EnvState(**fields)
+
+
+def _run_stepped(kernel, config: KernelConfig, bm: int, rows: int, inputs: list, specs: list,
+                 out_specs: list, out_shape: list, interpret, num_steps: int) -> list:
+    """The collect kernel launched once a timestep under ``lax.scan``: each launch reads the
+    state (and the portfolio features) its predecessor wrote and writes step ``t`` of the
+    ``[L, ...]`` outputs in place (aliased buffers), so the scan adds no per-step copies.
+    Returns the looped launch's outputs (``out_f, out_i, end_f, end_i, taken``)."""
+    at_state = 3 + len(_TABLES)  # inputs: feat, z, scal, tables, st_f, st_i, ...
+    cols = pl.BlockSpec((P, bm), lambda i: (0, i))
+    step_spec = pl.BlockSpec((1,), lambda i: (0,))
+    in_specs = ([step_spec] + specs[:at_state + 2] + [cols] + specs[at_state + 2:]
+                + [out_specs[0], out_specs[1], out_specs[4]])
+    n_in = len(in_specs)
+    # inputs: step, ..., st_f (at_state + 1), st_i, port, ..., out_f, out_i, taken (last three)
+    aliases = {n_in - 3: 0, n_in - 2: 1, at_state + 1: 2, at_state + 2: 3, n_in - 1: 4,
+               at_state + 3: 5}
+    call = launch(kernel, "fused_rollout", config, bm, rows // bm, tuple(in_specs),
+                  tuple(out_specs) + (cols,),
+                  tuple(out_shape) + (jax.ShapeDtypeStruct((P, rows), jnp.float32),),
+                  interpret, aliases)
+    fixed_head, fixed_tail = inputs[:at_state], inputs[at_state + 2:]
+
+    def one(carry, t):
+        st_f, st_i, port, out_f, out_i, taken = carry
+        out_f, out_i, st_f, st_i, taken, port = call(t[None], *fixed_head, st_f, st_i, port,
+                                                     *fixed_tail, out_f, out_i, taken)
+        return (st_f, st_i, port, out_f, out_i, taken), None
+
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+    carry = (inputs[at_state], inputs[at_state + 1], jnp.zeros((P, rows), jnp.float32),
+             zeros(out_shape[0]), zeros(out_shape[1]), zeros(out_shape[4]))
+    (st_f, st_i, _, out_f, out_i, taken), _ = jax.lax.scan(
+        one, carry, jnp.arange(num_steps, dtype=jnp.int32))
+    return [out_f, out_i, st_f, st_i, taken]
 
 
 def portfolio(out: dict, prefix: str = "portfolio") -> jax.Array:

@@ -87,10 +87,14 @@ def novelty(tuning: Tuning, state: curiosity.RNDState, obs: jax.Array) -> jax.Ar
 
 def rollout(tuning: Tuning, params: Any, network: QNetwork, support: jax.Array, env_params,
             state, num_steps: int, **kwargs):
-    """:func:`pallas_kernels.rollout.fused_rollout` (same arguments) with the tuned launch."""
+    """:func:`pallas_kernels.rollout.fused_rollout` (same arguments) with the tuned launch: a
+    collection rollout launches once a timestep where the tuning says so
+    (:meth:`~pallas_kernels.tuning.Tuning.rollout_stepped`)."""
+    stepped = (kwargs.get("mode", "collect") == "collect"
+               and tuning.rollout_stepped(state.bar.shape[0], network.dtype))
     return fused_rollout(params, network, support, env_params, state, num_steps,
                          config=tuning.rollout_config(network.dtype),
-                         interpret=not tuning.compiled, **kwargs)
+                         interpret=not tuning.compiled, stepped=stepped, **kwargs)
 
 
 def entry_points(tuning: Tuning) -> dict:

@@ -236,6 +236,34 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
     chex.assert_trees_all_equal(runs[1], runs[0])
 
 
+def test_stepped_collection_equals_the_whole_window_kernel(tables):
+    """``fused_rollout(stepped=True)`` (one launch a timestep under a scan, the state and the
+    outputs through memory) gives the whole-window kernel's collection bit for bit, across
+    resets; the tuning picks it where a launch's blocks fill its multiprocessors
+    ``STEPPED_WAVES`` times over, and only for collection."""
+    _, params, learner = _setup(tables, "pallas", ["env.episode_length=3"])
+    agent = _agent(learner, params, int(np.random.default_rng().integers(1 << 30)))
+    n, steps = 20, 5
+    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
+    resets = jnp.broadcast_to(params.starts[n:2 * n], (steps, n))
+    draws = jax.random.randint(jax.random.key(5), (steps, n, 3), -1, 3)
+    net, z = learner.network, learner.support
+    kc = qf.KernelConfig(block_rows=16, num_warps=4, max_chunk=16)
+    whole, stepped = (jax.jit(lambda p, s, _st=st: fused_rollout(
+        p, net, z, params, s, steps, draws=draws, reset_bars=resets, config=kc,
+        stepped=_st))(agent.params, state) for st in (False, True))
+    chex.assert_trees_all_equal(stepped, whole)
+    assert bool(jnp.any(whole[0]["truncated"][1:]))  # episodes restarted inside the window
+    with pytest.raises(ValueError, match="collect mode"):
+        fused_rollout(agent.params, net, z, params, state, steps, mode="evaluate", stepped=True)
+    h200 = SimpleNamespace(platform="gpu", core_count=132)
+    population = tuning.for_device(h200, copies=64)  # 8 blocks of 128 rows for 2 programs
+    single = tuning.for_device(h200)
+    assert population.rollout_stepped(1024, "bfloat16")
+    assert not single.rollout_stepped(1024, "bfloat16")  # 64 blocks of 16 for 132 programs
+    assert single.rollout_stepped(1 << 20, "bfloat16")
+
+
 def test_validation_loss_backends_agree(tables):
     """The validation loss runs its forwards through the fused kernels (interpret mode here)
     under the Pallas backend: the same loss as the Flax forwards. Where this agent's
