@@ -215,15 +215,23 @@ def test_fused_evaluation_equals_scan(tables, overrides):
     assert not bool(jnp.all(ref["alive"]))  # some windows ended early (length or ruin)
 
 
-def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
-    """``KernelConfig.lookahead`` (two blocks ahead by default in bfloat16) only
-    moves the weight loads earlier: both modes give bit-equal results with 16-wide blocks."""
-    _, params, learner = _setup(tables, "pallas")
+def _kernel_inputs(tables, n: int, steps: int, overrides=()):
+    """A fresh random agent on the smoke config and a collection's inputs for ``n`` episodes
+    and ``steps`` steps: ``(params, learner, agent, state, resets, draws)``, the draws
+    exploring about three quarters of the branches (-1 greedy)."""
+    _, params, learner = _setup(tables, "pallas", overrides)
     agent = _agent(learner, params, int(np.random.default_rng().integers(1 << 30)))
-    n, steps = 20, 6
     _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
     resets = jnp.broadcast_to(params.starts[n:2 * n], (steps, n))
     draws = jax.random.randint(jax.random.key(3), (steps, n, 3), -1, 3)
+    return params, learner, agent, state, resets, draws
+
+
+def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
+    """``KernelConfig.lookahead`` (two blocks ahead by default in bfloat16) only
+    moves the weight loads earlier: both modes give bit-equal results with 16-wide blocks."""
+    n, steps = 20, 6
+    params, learner, agent, state, resets, draws = _kernel_inputs(tables, n, steps)
     net, z = learner.network, learner.support
     runs = []
     for ahead in (0, 2):
@@ -241,12 +249,9 @@ def test_stepped_collection_equals_the_whole_window_kernel(tables):
     outputs through memory) gives the whole-window kernel's collection bit for bit, across
     resets; the tuning picks it where a launch's blocks fill its multiprocessors
     ``STEPPED_WAVES`` times over, and only for collection."""
-    _, params, learner = _setup(tables, "pallas", ["env.episode_length=3"])
-    agent = _agent(learner, params, int(np.random.default_rng().integers(1 << 30)))
     n, steps = 20, 5
-    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
-    resets = jnp.broadcast_to(params.starts[n:2 * n], (steps, n))
-    draws = jax.random.randint(jax.random.key(5), (steps, n, 3), -1, 3)
+    params, learner, agent, state, resets, draws = _kernel_inputs(tables, n, steps,
+                                                                  ["env.episode_length=3"])
     net, z = learner.network, learner.support
     kc = qf.KernelConfig(block_rows=16, num_warps=4, max_chunk=16)
     whole, stepped = (jax.jit(lambda p, s, _st=st: fused_rollout(
