@@ -249,7 +249,7 @@ def test_stepped_collection_equals_the_whole_window_kernel(tables):
     outputs through memory) gives the whole-window kernel's collection bit for bit, across
     resets; the tuning picks it where a launch's blocks fill its multiprocessors
     ``STEPPED_WAVES`` times over, and only for collection."""
-    n, steps = 20, 5
+    n, steps = 20, 4  # two blocks of 16 rows; every episode restarts after its third step
     params, learner, agent, state, resets, draws = _kernel_inputs(tables, n, steps,
                                                                   ["env.episode_length=3"])
     net, z = learner.network, learner.support
