@@ -297,8 +297,8 @@ def test_validation_loss_backends_agree(tables):
     (summing in different orders) may break such a tie at s' differently and bootstrap from
     another action; so the losses are equal to 1e-5 given the same greedy actions at s' on every
     draw, and to 2e-3 with each backend's own on one of at most three fresh draws (one draw in
-    a fresh clone's CI differed by 5.6e-3: a single sample of the 72 bootstrapping from another
-    action moves the mean that much; a fault in the kernels moves it on every draw)."""
+    a fresh clone's CI differed by 5.6e-3 over its 72 samples; one of 30 fixed seeds broke a tie
+    at all; a fault in the kernels moves the loss on every draw)."""
     seen = []
     for _ in range(3):
         seed = int(np.random.default_rng().integers(1 << 30))
