@@ -265,6 +265,8 @@ def test_stepped_collection_equals_the_whole_window_kernel(tables):
     population = tuning.for_device(h200, copies=64)  # 8 blocks of 128 rows for 2 programs
     single = tuning.for_device(h200)
     assert population.rollout_stepped(1024, "bfloat16")
+    assert tuning.for_device(h200, copies=32).rollout_stepped(1024, "bfloat16")  # 8 for 4
+    assert not tuning.for_device(h200, copies=16).rollout_stepped(1024, "bfloat16")  # 8 for 8
     assert not single.rollout_stepped(1024, "bfloat16")  # 64 blocks of 16 for 132 programs
     assert single.rollout_stepped(1 << 20, "bfloat16")
 
