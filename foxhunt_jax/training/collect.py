@@ -62,6 +62,11 @@ class EnvAdapter:
     max_episode_steps (optional): ``(params) -> int``, static: the steps after which an episode
         is truncated, so that the initial priorities know how many truncations a window can
         hold (:func:`next_greedy`; without it, every step may be one)
+    observe (optional): ``observe(state, params) -> obs [D]``, where an observation is a
+        function of the state alone (the one ``reset`` and ``step_env`` return). :func:`trajectory`
+        then computes each step's observation from the state where the policy reads it, once,
+        instead of carrying the stepped and the reset observations and selecting between them;
+        the same numbers.
     """
 
     reset: Callable
@@ -70,10 +75,11 @@ class EnvAdapter:
     decode: Callable
     fused: Callable | None = None
     max_episode_steps: Callable | None = None
+    observe: Callable | None = None
 
     def __hash__(self):
         return hash((self.reset, self.step_env, self.encode, self.decode, self.fused,
-                     self.max_episode_steps))
+                     self.max_episode_steps, self.observe))
 
 
 def _whole(obs: jax.Array, state) -> jax.Array:
@@ -283,21 +289,31 @@ def trajectory(learner: Learner, backend: Backend, adapter: EnvAdapter, env_para
     step_v = jax.vmap(adapter.step_env, in_axes=(0, 0, 0, None))
     reset_v = jax.vmap(adapter.reset, in_axes=(0, None))
     encode_v = jax.vmap(adapter.encode)
+    observe_v = adapter.observe and jax.vmap(adapter.observe, in_axes=(0, None))
 
     def body(carry: Rollout, k):
         k_act, k_step, k_reset = k
+        # from the state: the observation's gather then fuses into the policy's input
+        obs = observe_v(carry.env_state, env_params) if observe_v else carry.obs
         draws = explore_draws(k_act, n, net.branch_sizes, epsilon)
-        greedy, action, taken = backend.act(agent_params, carry.obs, draws, net, support)
+        greedy, action, taken = backend.act(agent_params, obs, draws, net, support)
         obs2, state2, reward, term, trunc, _ = step_v(jax.random.split(k_step, n), carry.env_state,
                                                      action, env_params)
-        out = {"obs": encode_v(carry.obs, carry.env_state), "next_obs": encode_v(obs2, state2),
+        out = {"obs": encode_v(obs, carry.env_state), "next_obs": encode_v(obs2, state2),
                "action": action, "reward": reward, "terminated": term, "truncated": trunc,
                "greedy": greedy, "taken_logits": taken}
         obs_r, state_r = reset_v(jax.random.split(k_reset, n), env_params)
         done = term | trunc
-        return Rollout(env_state=_where(done, state_r, state2), obs=jnp.where(done[:, None], obs_r, obs2)), out
+        state = _where(done, state_r, state2)
+        # with observe, the carried observation is left as it is and set once at the end
+        obs = carry.obs if observe_v else jnp.where(done[:, None], obs_r, obs2)
+        return Rollout(env_state=state, obs=obs), out
 
-    return jax.lax.scan(body, rollout, keys)
+    rollout, traj = jax.lax.scan(body, rollout, keys)
+    if observe_v:
+        rollout = Rollout(env_state=rollout.env_state,
+                          obs=observe_v(rollout.env_state, env_params))
+    return rollout, traj
 
 
 def novelty(backend: Backend, adapter: EnvAdapter, env_params, rnd, enc,

@@ -37,7 +37,8 @@ from foxhunt_jax.training.collect import EnvAdapter, Rollout, collect_shards, st
 TRADING_ADAPTER = EnvAdapter(reset=trading.reset, step_env=trading.step_env,
                              encode=trading.encode, decode=trading.decode,
                              fused=fused.collect_trajectory,
-                             max_episode_steps=lambda params: params.episode_length)
+                             max_episode_steps=lambda params: params.episode_length,
+                             observe=trading.observation)
 
 
 @struct.dataclass

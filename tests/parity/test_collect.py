@@ -179,3 +179,27 @@ def test_novelty_spans_route_each_pass_to_the_curiosity_kernel_or_xla(tables):
     assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * scale
     # the XLA span is XLA's own pass, bit for bit
     np.testing.assert_array_equal(np.asarray(got[5:]), np.asarray(want[5:]))
+
+
+def test_trajectory_observing_the_state_equals_carrying_the_observations(tables):
+    """An adapter's ``observe`` (the observation as a function of the state, computed where
+    the policy reads it) gives the same trajectory and end rollout, bit for bit, as carrying
+    the stepped and reset observations and selecting between them, across resets."""
+    cfg = load_config("smoke", SMALL + ["env.episode_length=3", "env.ruin_floor=0.985",
+                                        "env.cost_bps=20"])
+    params = trading.make_params(tables, cfg.env, "train")
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    agent = init_agent(jax.random.key(seed), learner, trading.obs_dim(params))
+    n, steps = 64, 8
+    key = jax.random.key(seed + 1)
+    carried = dataclasses.replace(TRADING_ADAPTER, observe=None)
+    assert TRADING_ADAPTER.observe is not None
+    rollout = collect.start(TRADING_ADAPTER, params, key, n)
+    got, want = (jax.jit(lambda p, r, k, _a=a: collect.trajectory(
+        learner, XLA, _a, params, p, r, k, jnp.float32(0.3), steps))(agent.params, rollout, key)
+        for a in (TRADING_ADAPTER, carried))
+    chex.assert_trees_all_equal(got, want)
+    assert bool(jnp.any(want[1]["truncated"][:-1]))  # episodes restarted inside the window
+    np.testing.assert_array_equal(  # the end rollout's observation is its state's
+        got[0].obs, jax.vmap(trading.observation, in_axes=(0, None))(got[0].env_state, params))
