@@ -235,27 +235,8 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
     note = parallel.unused_devices_note(trainer.mesh, cfg.train.shards)
     if note is not None and devices is None:
         log(note)
-    state = trainer.init_state()
     selection = Selection(cfg.train.select_by)
-    if resume:
-        state, meta, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
-        writer.truncate_after(int(state.epoch))  # records run ahead of checkpoints
-        if "selection" in meta:
-            selection = Selection.from_json(meta["selection"])
-        else:
-            log("the checkpoint holds no selection (a run from before it): agents are "
-                "selected from the resumed epochs on")
-        log(f"resumed from epoch {int(state.epoch)}")
-    elif writer is not None and jax.process_index() == 0 and trainer.tables is not None:
-        # what a policy of this run normalizes its inputs with
-        write_statistics(out, trainer.tables, trainer.market)
-    if out is not None:  # agents selected after the state (a killed run's) are selected again
-        checkpoint.drop_after(out / checkpoint.SELECTED_DIR, int(state.epoch))
-    history = read_metrics(out) if (resume and out is not None) else []
-
     epochs, patience = cfg.train.epochs, cfg.train.patience
-    epoch = int(state.epoch)
-    selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
 
     def queue_after(epoch: int, selection: Selection) -> tuple[bool, int]:
         """(save, queue_next) of the epoch after ``epoch``. Its ``queue_next``
@@ -272,10 +253,40 @@ def _train(cfg: Config, out: Path | None, writer: RunWriter | None, *, resume: b
         return (_checkpointed(out, cfg, epoch + 1),
                 (2 if may_follow(2) else 1) if may_follow(1) else 0)
 
-    if epoch < epochs and not selection.stops(patience):
+    if not resume and writer is not None and jax.process_index() == 0 and \
+            trainer.tables is not None:  # what a policy of this run normalizes its inputs with
+        write_statistics(out, trainer.tables, trainer.market)
+    # a fresh run always compiles: its phase programs compile beside the state's init
+    fresh = not resume and cfg.train.epochs > 0
+    if fresh:
         log("compiling the phase programs (or loading them from the executable cache) ...")
-        trainer.compile(state, queued=queue_after(epoch, selection)[1] >= 1)
+        state = trainer.init_and_compile(queued=queue_after(0, selection)[1] >= 1)
         log(compile_line(trainer))
+    else:
+        state = trainer.init_state()
+    if resume:
+        state, meta, _ = checkpoint.restore_latest(out / "checkpoints", state, warn=_warn)
+        writer.truncate_after(int(state.epoch))  # records run ahead of checkpoints
+        if "selection" in meta:
+            selection = Selection.from_json(meta["selection"])
+        else:
+            log("the checkpoint holds no selection (a run from before it): agents are "
+                "selected from the resumed epochs on")
+        log(f"resumed from epoch {int(state.epoch)}")
+    if out is not None:  # agents selected after the state (a killed run's) are selected again
+        checkpoint.drop_after(out / checkpoint.SELECTED_DIR, int(state.epoch))
+    history = read_metrics(out) if (resume and out is not None) else []
+
+    epoch = int(state.epoch)
+    selected_params, unsaved = None, False  # the selected agent's parameters, once seen here
+
+    if epoch < epochs and not selection.stops(patience):
+        if not fresh:
+            log("compiling the phase programs (or loading them from the executable cache) ...")
+            # the paired rollouts' program compiles while the first epochs run without it
+            trainer.compile(state, queued=queue_after(epoch, selection)[1] >= 1,
+                            paired_in_background=True)
+            log(compile_line(trainer))
         if final_report and not isinstance(trainer, GymnaxTrainer) and jax.process_count() == 1:
             # the report's walk programs compile while the epochs run
             trainer.compile_walks_in_background(parallel.to_host(state.agent))

@@ -334,6 +334,11 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
 
 _HIT = "/jax/compilation_cache/cache_hits"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX ran XLA or read its cache
+# Held while a thread traces and lowers a program (Python work, under the GIL): programs
+# compiled in threads then lower one after another in the order their threads start, so the
+# first one's XLA compile (which releases the GIL) starts as soon as it alone is lowered
+# instead of when all of them are.
+_lowering = threading.RLock()
 _served = threading.local()  # .payloads: a list while this thread compiles through compile_cached
 _capture_lock = threading.Lock()
 
@@ -365,8 +370,14 @@ def _capture_served_payloads() -> None:
         jax_cache.extract_executable_and_time = capturing
 
 
-def _compile_watching_xla_cache(jitted, args):
-    """``jitted.lower(*args).compile()`` and the bytes to store for it: ``None`` to store the
+def _lower(make, args):
+    """``make().lower(*args)``, one thread at a time (:data:`_lowering`)."""
+    with _lowering:
+        return make().lower(*args)
+
+
+def _compile_watching_xla_cache(make, args):
+    """``make().lower(*args).compile()`` and the bytes to store for it: ``None`` to store the
     executable's own serialization (XLA compiled it in this call: JAX ran its backend compile
     and its persistent cache did not serve it), the serialized executable JAX's persistent cache
     served (captured as it was read, :func:`_capture_served_payloads`), or ``False``: do not
@@ -390,7 +401,7 @@ def _compile_watching_xla_cache(jitted, args):
     monitoring.register_event_duration_secs_listener(on_duration)
     _served.payloads = payloads = []
     try:
-        compiled = jitted.lower(*args).compile()
+        compiled = _lower(make, args).compile()
     finally:
         _served.payloads = None
         monitoring.unregister_event_listener(on_event)
@@ -487,13 +498,13 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     folder = _executables
     if folder is None or jax.process_count() > 1 or (
             folder.exists() and not _folder_trusted(folder)):
-        return make().lower(*args).compile(), False
+        return _lower(make, args).compile(), False
     key = cache_key(name, config, args)
     path = entry_path(name, key)
     compiled, writable = _load(path, args, key)
     if compiled is not None:
         return compiled, True
-    compiled, payload = _compile_watching_xla_cache(make(), args)
+    compiled, payload = _compile_watching_xla_cache(make, args)
     if writable and payload is not False:
         _store(path, compiled, args, key, name, payload)
     return compiled, False

@@ -261,6 +261,9 @@ class Pipeline:
         self.inputs, self.adapter, self.validate = inputs, adapter, validate
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
+        # compile_paired_in_background's thread and its outcome: [compiled] or [exception]
+        self._paired_thread: threading.Thread | None = None
+        self._paired_outcome: list = []
 
     @property
     def overlaps(self) -> bool:
@@ -331,7 +334,8 @@ class Pipeline:
                          donate_argnums=3,
                          in_shardings=(replicated, replicated, replicated, placed, replicated),
                          out_shardings=(replicated, replicated, placed, replicated))
-            programs[PAIRED_PROGRAM] = (paired, validation_args + train_args)
+            # first: the longest compile (both rollouts) lowers first (Pipeline._compile)
+            programs = {PAIRED_PROGRAM: (paired, validation_args + train_args), **programs}
         return programs
 
     def compile(self, state: TrainerState, *, threads: bool = True,
@@ -339,21 +343,73 @@ class Pipeline:
         """Compiles (or loads) :meth:`jitted_programs` in place of any compiled before; returns
         the milliseconds it took and how many the executable cache served. ``threads``: one
         thread a program (XLA's compiler and the loading release the GIL)."""
+        self.wait_for_background_compile()
         self.programs = {}
         return self._compile(self.jitted_programs(state, queued), threads)
 
     def compile_paired(self, state: TrainerState) -> float:
         """Compiles ``validation_experience`` where :attr:`pairs_rollouts` holds and it is not
         compiled yet (the first queued epoch of a pipeline compiled without it); returns the
-        milliseconds it took, 0.0 when there was nothing to do."""
-        if not self.pairs_rollouts or PAIRED_PROGRAM in self.programs:
+        milliseconds it took, 0.0 when there was nothing to do (also while
+        :meth:`compile_paired_in_background` compiles it)."""
+        if (not self.pairs_rollouts or PAIRED_PROGRAM in self.programs
+                or self._paired_thread is not None):
             return 0.0
         paired = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
         return self._compile({PAIRED_PROGRAM: paired}, threads=False)[0]
 
+    def compile_paired_in_background(self, state: TrainerState) -> None:
+        """Compiles ``validation_experience`` (where :meth:`compile_paired` would) in a thread
+        while epochs run; epochs queue Validation alone until it is ready, then take it up
+        (:meth:`_take_paired`). The numbers are the same either way; only the time to the
+        first epoch changes (the paired program compiles both rollouts again). The thread is
+        not a daemon: a process that ends first waits for the compile, as one cut off by the
+        interpreter's exit aborts the process. One process only (:meth:`_compile` waits for
+        the others where there are several)."""
+        if (not self.pairs_rollouts or PAIRED_PROGRAM in self.programs
+                or self._paired_thread is not None or jax.process_count() > 1):
+            return
+        program, args = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
+        # shapes and placements only: the state's buffers are donated by the epochs meanwhile
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)), args)
+        key_config = program_key_config(self.cfg, PAIRED_PROGRAM)
+
+        def work():
+            try:
+                compiled, _ = compile_cached(program, args, name=PAIRED_PROGRAM,
+                                             config=key_config)
+                self._paired_outcome.append(compiled)
+            except BaseException as e:  # noqa: BLE001 - raised where the program is taken up
+                self._paired_outcome.append(e)
+
+        self._paired_thread = threading.Thread(target=work, name="compile-paired")
+        self._paired_thread.start()
+
+    def _take_paired(self) -> None:
+        """Adds the background compile's ``validation_experience`` to :attr:`programs` once it
+        is done (raising what the compile raised)."""
+        if self._paired_thread is None or self._paired_thread.is_alive():
+            return
+        self._paired_thread.join()
+        outcome, self._paired_thread = self._paired_outcome.pop(), None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.programs[PAIRED_PROGRAM] = outcome
+
+    def wait_for_background_compile(self) -> None:
+        """Waits for :meth:`compile_paired_in_background`'s thread, if one runs, and keeps its
+        program."""
+        if self._paired_thread is not None:
+            self._paired_thread.join()
+            self._take_paired()
+
     def _compile(self, jitted: dict, threads: bool) -> tuple[float, int]:
         """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns the
-        milliseconds it took and how many the executable cache served. In a run of several
+        milliseconds it took and how many the executable cache served. With ``threads`` the
+        programs lower one at a time, in ``jitted``'s order as their threads start
+        (:func:`compile_cached`), each compiling while the next lowers: that order puts the
+        longest compiles first. In a run of several
         processes each then waits until every process has these programs
         (:func:`parallel.wait_for_all_processes`, not counted in the milliseconds), so that none
         starts a collective the others reach only after a longer compile."""
@@ -383,6 +439,7 @@ class Pipeline:
         :attr:`pairs_rollouts`; otherwise as 1); the returned state is then ahead (module
         docstring).
         """
+        self._take_paired()
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.state is state:
             start, queued = ahead.since, ahead.epoch
@@ -466,5 +523,12 @@ class Pipeline:
                                   validation)
 
     def _local_agent(self, state: TrainerState) -> AgentState:
-        """This process's first device's copy of the replicated agent (no transfer)."""
-        return parallel.local_view(state.agent, parallel.local_device(self.mesh))
+        """This process's first device's copy of the replicated agent (no transfer); of an
+        abstract state (``ShapeDtypeStruct`` leaves), the same placed on that device."""
+        local = parallel.local_device(self.mesh)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state.agent)):
+            only_local = lambda x: x if x.sharding.device_set == {local} else jax.ShapeDtypeStruct(  # noqa: E731
+                x.shape, x.dtype, weak_type=x.weak_type,
+                sharding=jax.sharding.SingleDeviceSharding(local))
+            return jax.tree.map(only_local, state.agent)
+        return parallel.local_view(state.agent, local)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,12 @@ from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs
                                            without_run_settings)
 
 __all__ = ["Trainer", "TrainerState", "TRADING_ADAPTER"]
+
+
+def _placed(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """``x``'s shape, dtype and weak type, placed by ``sharding`` (default: ``x``'s own)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False),
+                                sharding=sharding if sharding is not None else x.sharding)
 
 
 @dataclass
@@ -148,6 +155,36 @@ class Trainer:
         self.init_ms += (time.perf_counter() - start) * 1e3
         return state
 
+    def abstract_state(self, seed: int | None = None) -> TrainerState:
+        """:meth:`init_state`'s state as shapes, dtypes and placements (``ShapeDtypeStruct``
+        leaves), traced without compiling or running anything: what :meth:`compile` needs."""
+        local = parallel.local_device(self.mesh)
+        programs, whole = self.init_programs(), parallel.replicated(self.mesh)
+        key = jax.eval_shape(lambda: jax.random.PRNGKey(0 if seed is None else seed))
+        args = (parallel.local_view(self.env_params["train"], local), key)
+        agent = jax.eval_shape(programs["init_agent"](args), *args)
+        agent = jax.tree.map(lambda x: _placed(x, whole), agent)
+        args = (self.env_params["train"], _placed(key, whole), agent)
+        shape = jax.eval_shape(programs["init_state"](args), *args)
+        return jax.tree.map(_placed, shape, state_shardings(shape, self.mesh))
+
+    def init_and_compile(self, queued: bool = False) -> TrainerState:
+        """:meth:`init_state` and :meth:`compile` (``paired_in_background``) at once: in one
+        process the phase programs compile from :meth:`abstract_state` in a thread while the
+        state is built (its own two programs), instead of after it; the Init and Compile times
+        then overlap."""
+        if jax.process_count() > 1:  # compile waits for every process: keep the order
+            state = self.init_state()
+            self.compile(state, queued=queued, paired_in_background=True)
+            return state
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            compiling = pool.submit(self.compile, self.abstract_state())
+            state = self.init_state()
+            compiling.result()
+        if queued:
+            self.pipeline.compile_paired_in_background(state)
+        return state
+
     def init_programs(self) -> dict:
         """``{name: make(args) -> jitted}`` of :meth:`init_state`'s two programs: ``init_agent``
         of ``(train env params, key)`` and ``init_state`` of ``(train env params, key, agent)``,
@@ -174,15 +211,21 @@ class Trainer:
         (:meth:`~foxhunt_jax.training.pipeline.Pipeline.jitted_programs`)."""
         return self.pipeline.jitted_programs(state, queued)
 
-    def compile(self, state: TrainerState, threads: bool = True, queued: bool = False) -> None:
+    def compile(self, state: TrainerState, threads: bool = True, queued: bool = False,
+                paired_in_background: bool = False) -> None:
         """Compiles (or loads from the executable cache) the phase programs, timed as Compile.
 
         ``threads``: the programs compile in a thread each. ``queued``: also the program that
         queued epochs use where :attr:`pairs_rollouts` holds (otherwise :meth:`run_epoch`
-        compiles it when a queued epoch first needs it).
+        compiles it when a queued epoch first needs it); with ``paired_in_background`` that
+        one compiles in a thread while the epochs run (not timed as Compile), which take it up
+        once it is ready (:meth:`~foxhunt_jax.training.pipeline.Pipeline.compile_paired_in_background`).
         """
+        background = queued and paired_in_background
         self.compile_ms, self.executables_loaded = self.pipeline.compile(
-            state, threads=threads, queued=queued)
+            state, threads=threads, queued=queued and not background)
+        if background:
+            self.pipeline.compile_paired_in_background(state)
 
     def run_epoch(self, state: TrainerState, queue_next: int = 0
                   ) -> tuple[TrainerState, dict]:
