@@ -86,8 +86,9 @@ def compile_line(trainer: Trainer) -> str:
     how = (f"{loaded} of {len(trainer.pipeline.programs)} loaded from the executable cache"
            if loaded
            else "compiled; none was in the executable cache")
+    beside = " beside the compile" if trainer.init_beside_compile else ""
     return (f"phase programs ready in {trainer.compile_ms / 1e3:.1f} s ({how}); state init "
-            f"{trainer.init_ms / 1e3:.1f} s")
+            f"{trainer.init_ms / 1e3:.1f} s{beside}")
 
 
 def use_compile_cache(enabled: bool) -> None:

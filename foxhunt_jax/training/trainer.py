@@ -74,6 +74,7 @@ class Trainer:
     init_ms: float = 0.0
     compile_ms: float = 0.0
     executables_loaded: int = 0  # programs the last compile() loaded from the executable cache
+    init_beside_compile: bool = False  # init_ms and compile_ms overlap (init_and_compile)
     # the network parameters of the epoch run_epoch last reported (a copy, replicated on the
     # mesh, that later epochs leave alone): what a selection keeps
     validated_params: Any = None
@@ -181,6 +182,7 @@ class Trainer:
             compiling = pool.submit(self.compile, self.abstract_state())
             state = self.init_state()
             compiling.result()
+        self.init_beside_compile = True
         if queued:
             self.pipeline.compile_paired_in_background(state)
         return state
