@@ -116,10 +116,18 @@ def local_device(mesh: Mesh) -> jax.Device:
     return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
+def abstract(x: Any, sharding=None) -> jax.ShapeDtypeStruct:
+    """``x``'s shape, dtype and weak type as a ``ShapeDtypeStruct`` placed by ``sharding``
+    (default: ``x``'s own): what lowering a program for ``x`` reads of it."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False),
+                                sharding=x.sharding if sharding is None else sharding)
+
+
 def local_view(tree: Any, device: jax.Device) -> Any:
     """The copy that ``device`` holds of each replicated array of ``tree`` (no transfer).
 
-    Arrays on one device only (already local) must be on ``device``.
+    Arrays on one device only (already local) must be on ``device``. Of an abstract leaf
+    (``ShapeDtypeStruct``), the same leaf placed on ``device`` alone, as the copy would be.
     """
 
     def get(x):
@@ -127,6 +135,10 @@ def local_view(tree: Any, device: jax.Device) -> Any:
         # is cheap, while walking addressable_shards costs Python work per leaf
         if x.sharding.device_set == {device}:
             return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            if not x.sharding.is_fully_replicated:
+                raise ValueError(f"local_view: array {x.shape} is split over devices")
+            return abstract(x, jax.sharding.SingleDeviceSharding(device))
         for shard in x.addressable_shards:
             if shard.device == device:
                 if not x.sharding.is_fully_replicated:
@@ -295,5 +307,5 @@ def describe(mesh: Mesh) -> str:
 
 
 __all__ = ["DATA", "make_mesh", "fitting_devices", "unused_devices_note", "sharded", "replicated",
-           "shard_keys", "local_device", "local_view", "put_replicated", "to_host",
+           "shard_keys", "local_device", "abstract", "local_view", "put_replicated", "to_host",
            "DistributedSpec", "distributed_spec", "initialize", "describe"]

@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -261,9 +261,8 @@ class Pipeline:
         self.inputs, self.adapter, self.validate = inputs, adapter, validate
         self.programs: dict[str, Any] = {}  # name -> compiled program
         self.ahead: Ahead | None = None
-        # compile_paired_in_background's thread and its outcome: [compiled] or [exception]
-        self._paired_thread: threading.Thread | None = None
-        self._paired_outcome: list = []
+        # compile_paired_in_background's compile, until _take_paired takes up its program
+        self._paired_compiling: Future | None = None
 
     @property
     def overlaps(self) -> bool:
@@ -353,7 +352,7 @@ class Pipeline:
         milliseconds it took, 0.0 when there was nothing to do (also while
         :meth:`compile_paired_in_background` compiles it)."""
         if (not self.pairs_rollouts or PAIRED_PROGRAM in self.programs
-                or self._paired_thread is not None):
+                or self._paired_compiling is not None):
             return 0.0
         paired = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
         return self._compile({PAIRED_PROGRAM: paired}, threads=False)[0]
@@ -363,46 +362,34 @@ class Pipeline:
         while epochs run; epochs queue Validation alone until it is ready, then take it up
         (:meth:`_take_paired`). The numbers are the same either way; only the time to the
         first epoch changes (the paired program compiles both rollouts again). The thread is
-        not a daemon: a process that ends first waits for the compile, as one cut off by the
+        an executor's: a process that ends first waits for the compile, as one cut off by the
         interpreter's exit aborts the process. One process only (:meth:`_compile` waits for
         the others where there are several)."""
         if (not self.pairs_rollouts or PAIRED_PROGRAM in self.programs
-                or self._paired_thread is not None or jax.process_count() > 1):
+                or self._paired_compiling is not None or jax.process_count() > 1):
             return
         program, args = self.jitted_programs(state, queued=True)[PAIRED_PROGRAM]
         # shapes and placements only: the state's buffers are donated by the epochs meanwhile
-        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)), args)
-        key_config = program_key_config(self.cfg, PAIRED_PROGRAM)
+        args = jax.tree.map(parallel.abstract, args)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-paired")
+        self._paired_compiling = pool.submit(
+            compile_cached, program, args, name=PAIRED_PROGRAM,
+            config=program_key_config(self.cfg, PAIRED_PROGRAM))
+        pool.shutdown(wait=False)
 
-        def work():
-            try:
-                compiled, _ = compile_cached(program, args, name=PAIRED_PROGRAM,
-                                             config=key_config)
-                self._paired_outcome.append(compiled)
-            except BaseException as e:  # noqa: BLE001 - raised where the program is taken up
-                self._paired_outcome.append(e)
-
-        self._paired_thread = threading.Thread(target=work, name="compile-paired")
-        self._paired_thread.start()
-
-    def _take_paired(self) -> None:
-        """Adds the background compile's ``validation_experience`` to :attr:`programs` once it
-        is done (raising what the compile raised)."""
-        if self._paired_thread is None or self._paired_thread.is_alive():
+    def _take_paired(self, block: bool = False) -> None:
+        """Adds the background compile's ``validation_experience`` to :attr:`programs` if it
+        is done (with ``block``: after waiting for it), raising what the compile raised."""
+        compiling = self._paired_compiling
+        if compiling is None or not (block or compiling.done()):
             return
-        self._paired_thread.join()
-        outcome, self._paired_thread = self._paired_outcome.pop(), None
-        if isinstance(outcome, BaseException):
-            raise outcome
-        self.programs[PAIRED_PROGRAM] = outcome
+        self._paired_compiling = None
+        self.programs[PAIRED_PROGRAM] = compiling.result()[0]
 
     def wait_for_background_compile(self) -> None:
-        """Waits for :meth:`compile_paired_in_background`'s thread, if one runs, and keeps its
+        """Waits for :meth:`compile_paired_in_background`'s compile, if one runs, and keeps its
         program."""
-        if self._paired_thread is not None:
-            self._paired_thread.join()
-            self._take_paired()
+        self._take_paired(block=True)
 
     def _compile(self, jitted: dict, threads: bool) -> tuple[float, int]:
         """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns the
@@ -523,12 +510,5 @@ class Pipeline:
                                   validation)
 
     def _local_agent(self, state: TrainerState) -> AgentState:
-        """This process's first device's copy of the replicated agent (no transfer); of an
-        abstract state (``ShapeDtypeStruct`` leaves), the same placed on that device."""
-        local = parallel.local_device(self.mesh)
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state.agent)):
-            only_local = lambda x: x if x.sharding.device_set == {local} else jax.ShapeDtypeStruct(  # noqa: E731
-                x.shape, x.dtype, weak_type=x.weak_type,
-                sharding=jax.sharding.SingleDeviceSharding(local))
-            return jax.tree.map(only_local, state.agent)
-        return parallel.local_view(state.agent, local)
+        """This process's first device's copy of the replicated agent (no transfer)."""
+        return parallel.local_view(state.agent, parallel.local_device(self.mesh))

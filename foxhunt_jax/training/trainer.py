@@ -47,12 +47,6 @@ from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs
 __all__ = ["Trainer", "TrainerState", "TRADING_ADAPTER"]
 
 
-def _placed(x, sharding=None) -> jax.ShapeDtypeStruct:
-    """``x``'s shape, dtype and weak type, placed by ``sharding`` (default: ``x``'s own)."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False),
-                                sharding=sharding if sharding is not None else x.sharding)
-
-
 @dataclass
 class Trainer:
     """Data, env params, learner, device mesh and the phase pipeline of one config.
@@ -164,10 +158,10 @@ class Trainer:
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0 if seed is None else seed))
         args = (parallel.local_view(self.env_params["train"], local), key)
         agent = jax.eval_shape(programs["init_agent"](args), *args)
-        agent = jax.tree.map(lambda x: _placed(x, whole), agent)
-        args = (self.env_params["train"], _placed(key, whole), agent)
+        agent = jax.tree.map(lambda x: parallel.abstract(x, whole), agent)
+        args = (self.env_params["train"], parallel.abstract(key, whole), agent)
         shape = jax.eval_shape(programs["init_state"](args), *args)
-        return jax.tree.map(_placed, shape, state_shardings(shape, self.mesh))
+        return jax.tree.map(parallel.abstract, shape, state_shardings(shape, self.mesh))
 
     def init_and_compile(self, queued: bool = False) -> TrainerState:
         """:meth:`init_state` and :meth:`compile` (``paired_in_background``) at once: in one
