@@ -232,12 +232,41 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
         pipeline.program_key_config(off, "validation_experience")
 
 
+def test_paired_program_compiled_in_the_background_gives_the_same_epochs(monkeypatch):
+    """With ``paired_in_background`` the first queued epochs run Validation alone while the
+    paired program compiles in a thread; the epochs after it is taken up run it, and the
+    numbers equal epochs run one phase at a time."""
+    cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
+                                "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
+                                "train.num_episodes=16", "train.train_steps=2"])
+    monkeypatch.setattr(pipeline, "pairs_rollouts", lambda *a: True)
+    plain, paired = Trainer.build(cfg), Trainer.build(cfg)
+    s0, r0 = plain.init_state(), []
+    for _ in range(4):
+        s0, rec = plain.run_epoch(s0, queue_next=0)
+        r0.append(rec)
+    s1 = paired.init_state()
+    paired.compile(s1, queued=True, paired_in_background=True)
+    assert "validation_experience" not in paired.pipeline.programs
+    s1, rec = paired.run_epoch(s1, queue_next=2)
+    r1 = [rec]
+    paired.pipeline.wait_for_background_compile()
+    assert "validation_experience" in paired.pipeline.programs
+    for queue in (2, 1, 0):
+        s1, rec = paired.run_epoch(s1, queue_next=queue)
+        r1.append(rec)
+    assert paired.pipeline.ahead is None
+    assert r1[0]["phase_ms"]["compile"] > 0 and r1[1]["phase_ms"]["compile"] == 0
+    assert without_timing(r0) == without_timing(r1)
+    for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_programs_compiled_beside_the_init_are_those_compiled_after_it(monkeypatch):
     """``init_and_compile`` compiles the phase programs from the abstract state while the state
     is built: every program's arguments describe the real state's exactly (shapes, dtypes,
-    weak types, placements: the executable cache's key). The paired program compiles in the
-    background and is taken up between queued epochs (whichever epoch it is ready for), and
-    the numbers equal those of a state built first and compiled after."""
+    weak types, placements: the executable cache's key), and the epochs equal those of a state
+    built first and compiled after."""
     cfg = load_config("smoke", ["network.trunk=[16]", "network.head=16", "network.atoms=5",
                                 "curiosity.hidden=8", "curiosity.embed=4", "env.episode_length=8",
                                 "train.num_episodes=16", "train.train_steps=2"])
@@ -250,17 +279,14 @@ def test_programs_compiled_beside_the_init_are_those_compiled_after_it(monkeypat
         assert jitcache._signature(described[0][name][1]) == \
             jitcache._signature(described[1][name][1]), name
     s1 = beside.init_and_compile(queued=True)
-    assert "validation_experience" not in beside.pipeline.programs
+    beside.pipeline.wait_for_background_compile()
+    assert set(beside.pipeline.programs) == set(described[0])
     s0, r0, r1 = real, [], []
-    for queue in (2, 2, 1, 0):
+    for queue in (2, 1, 0):
         s0, rec = after.run_epoch(s0, queue_next=queue)
         r0.append(rec)
         s1, rec = beside.run_epoch(s1, queue_next=queue)
         r1.append(rec)
-        beside.pipeline.wait_for_background_compile()
-        assert set(beside.pipeline.programs) == set(described[0])
-    assert beside.pipeline.ahead is None
-    assert r1[0]["phase_ms"]["compile"] > 0 and r1[1]["phase_ms"]["compile"] == 0
     assert without_timing(r0) == without_timing(r1)
     for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
