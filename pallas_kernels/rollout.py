@@ -59,11 +59,11 @@ _TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", 
 _SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale", "slippage_rate")
 
 
-def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num_steps: int,
-            env_static: dict, stepped: bool, *refs):
+def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env_static: dict,
+            stepped: bool, *refs):
     n_ops = len(operand_names(plan))
     it = iter(refs)
-    step_ref = next(it) if stepped else None
+    step_ref = next(it)  # stepped: the timestep this launch runs; else the window's length
     feat_ref, z_ref, scal_ref = next(it), next(it), next(it)
     tables = {name: next(it) for name in _TABLES}
     st_f_ref, st_i_ref = next(it), next(it)
@@ -158,11 +158,14 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, num
             end_port_ref[j, :] = port[j]
     else:
         port0 = trading.portfolio_features(state0, params)
-        state, _, _ = jax.lax.fori_loop(0, num_steps, body, (state0, port0, alive0))
+        state, _, _ = jax.lax.fori_loop(0, step_ref[0], body, (state0, port0, alive0))
     for i, name in enumerate(STATE_F):
         end_f_ref[i, :] = getattr(state, name)
     for i, name in enumerate(STATE_I):
         end_i_ref[i, :] = getattr(state, name)
+
+
+_STEP_SPEC = pl.BlockSpec((1,), lambda i: (0,))  # the kernel's step_ref
 
 
 def launch_spans(num_steps: int) -> tuple[tuple[int, int], ...]:
@@ -244,15 +247,20 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
 
     full = lambda a: pl.BlockSpec(a.shape, lambda i, _nd=a.ndim: (0,) * _nd)  # noqa: E731
     cols = lambda k: pl.BlockSpec((k, bm), lambda i: (0, i))  # noqa: E731
+    # the step axis of the per-step arrays is indexed by element (offset 0), not by block, and
+    # the step count is read at run time, so the kernel's text does not depend on L: XLA
+    # compiles a program's launches of one kernel text and grid once, and the launches of a
+    # window's spans (``launch_spans``) differ only in L
+    steps = pl.Element(L)
     inputs = [feat, z, scal] + tables + [st_f, st_i]
     specs = [full(feat), full(z), full(scal)] + [full(a) for a in tables]
     specs += [cols(len(STATE_F)), cols(len(STATE_I))]
     if draws is not None:
         inputs.append(_pad_cols(jnp.transpose(draws.astype(jnp.int32), (0, 2, 1)), rows))
-        specs.append(pl.BlockSpec((L, nb, bm), lambda i: (0, 0, i)))
+        specs.append(pl.BlockSpec((steps, nb, bm), lambda i: (0, 0, i)))
     if mode == "collect":
         inputs.append(_pad_cols(reset_bars.astype(jnp.int32), rows))
-        specs.append(pl.BlockSpec((L, bm), lambda i: (0, i)))
+        specs.append(pl.BlockSpec((steps, bm), lambda i: (0, i)))
     else:
         lens = jnp.full((n,), L, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         inputs.append(_pad_cols(lens, rows))
@@ -266,13 +274,13 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                  jax.ShapeDtypeStruct((L, n_i, rows), jnp.int32),
                  jax.ShapeDtypeStruct((len(STATE_F), rows), jnp.float32),
                  jax.ShapeDtypeStruct((len(STATE_I), rows), jnp.int32)]
-    out_specs = [pl.BlockSpec((L, len(OUT_F), bm), lambda i: (0, 0, i)),
-                 pl.BlockSpec((L, n_i, bm), lambda i: (0, 0, i)),
+    out_specs = [pl.BlockSpec((steps, len(OUT_F), bm), lambda i: (0, 0, i)),
+                 pl.BlockSpec((steps, n_i, bm), lambda i: (0, 0, i)),
                  cols(len(STATE_F)), cols(len(STATE_I))]
     if collect:  # each branch's logits of the action taken
         kp = plan.atoms_pad
         out_shape.append(jax.ShapeDtypeStruct((L, nb, rows, kp), jnp.float32))
-        out_specs.append(pl.BlockSpec((L, nb, bm, kp), lambda i: (0, 0, i, 0)))
+        out_specs.append(pl.BlockSpec((steps, nb, bm, kp), lambda i: (0, 0, i, 0)))
 
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
@@ -280,15 +288,16 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                   "has_stop_loss": env_params.has_stop_loss,
                   "fill_next_open": env_params.fill_next_open}
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
-                               draws is not None, L, env_static, stepped)
+                               draws is not None, env_static, stepped)
     if stepped:
         if mode != "collect":
             raise ValueError("fused_rollout: stepped launches are for collect mode")
         outs = _run_stepped(kernel, config, bm, rows, inputs, specs, out_specs, out_shape,
                             interpret, L)
     else:
-        outs = launch(kernel, "fused_rollout", config, bm, rows // bm, specs, tuple(out_specs),
-                      tuple(out_shape), interpret)(*inputs)
+        outs = launch(kernel, "fused_rollout", config, bm, rows // bm, [_STEP_SPEC] + specs,
+                      tuple(out_specs), tuple(out_shape), interpret)(
+                          jnp.full((1,), L, jnp.int32), *inputs)
     out_f, out_i, end_f, end_i = outs[:4]
 
     out = {name: out_f[:, c, :n] for c, name in enumerate(OUT_F)}
@@ -312,8 +321,7 @@ def _run_stepped(kernel, config: KernelConfig, bm: int, rows: int, inputs: list,
     Returns the looped launch's outputs (``out_f, out_i, end_f, end_i, taken``)."""
     at_state = 3 + len(_TABLES)  # inputs: feat, z, scal, tables, st_f, st_i, ...
     cols = pl.BlockSpec((P, bm), lambda i: (0, i))
-    step_spec = pl.BlockSpec((1,), lambda i: (0,))
-    in_specs = ([step_spec] + specs[:at_state + 2] + [cols] + specs[at_state + 2:]
+    in_specs = ([_STEP_SPEC] + specs[:at_state + 2] + [cols] + specs[at_state + 2:]
                 + [out_specs[0], out_specs[1], out_specs[4]])
     n_in = len(in_specs)
     # inputs: step, ..., st_f (at_state + 1), st_i, port, ..., out_f, out_i, taken (last three)

@@ -9,6 +9,7 @@ uses must have a Triton rule) without a GPU.
 """
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import chex
@@ -352,6 +353,44 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables):
             p, net, z, params, s, steps, mode="evaluate", config=_c, interpret=False))
         assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
             lowering_platforms=("cuda",)).as_text()
+
+
+def _triton_calls(lowered_text: str) -> list[str]:
+    """The backend configs of a lowered program's Triton kernel calls: their kernel text, grid
+    and launch shape, what XLA compiles each distinct one of once in a program."""
+    return re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?\) \{(.*?)\} :', lowered_text,
+                      re.S)
+
+
+def test_a_window_s_launches_are_one_kernel(tables):
+    """The launches of a collection window (:func:`launch_spans`), whole or one a timestep
+    (stepped), lower to one Triton kernel text for a CUDA GPU on this CPU: the step count and
+    the step axis of the per-step arrays are not in it, so XLA compiles the rollout kernel once
+    per program instead of once per launch length."""
+    gpu = tuning.for_device(SimpleNamespace(platform="gpu", core_count=132))
+    cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
+    params = trading.make_params(tables, cfg.env, "train")
+    learner = make_learner(cfg, cfg.env.branch_sizes)
+    agent = init_agent(jax.random.key(0), learner, trading.obs_dim(params))
+    n, steps = 256, 12
+    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
+    draws = jnp.full((steps, n, 3), -1, jnp.int32)
+    resets = jnp.broadcast_to(params.starts[:n], (steps, n))
+    net, z = learner.network, learner.support
+    spans = launch_spans(steps)
+    assert [b - a for a, b in spans] == [9, 3]
+    for stepped in (False, True):
+        def window(p, s, d, r, _stepped=stepped):
+            outs = []
+            for a, b in spans:
+                out, s = fused_rollout(p, net, z, params, s, b - a, draws=d[a:b],
+                                       reset_bars=r[a:b], config=gpu.rollout_config(net.dtype),
+                                       interpret=False, stepped=_stepped)
+                outs.append(out)
+            return outs, s
+        calls = _triton_calls(jax.jit(window).trace(agent.params, state, draws, resets).lower(
+            lowering_platforms=("cuda",)).as_text())
+        assert len(calls) == 2 and calls[0] == calls[1], stepped
 
 
 def test_rollout_spans_cover_the_window_in_order():
