@@ -114,6 +114,22 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def _close(got, ref, dtype: str) -> None:
+    """``got`` equals the float64 ``ref`` to float32 rounding (1e-5 of the largest ``|ref|``),
+    or for a bf16 network to bf16 accuracy. There the GEMM inputs are rounded to bf16 from
+    float32 values in the kernel and from float64 values in the reference, and now and then a
+    hidden activation lies between the two and rounds to the neighbouring bf16 value, which
+    moves its row's outputs by up to about 1e-2 of the largest output (6e-3 seen). So at least
+    9 rows in 10 (first axis) agree to 1e-4 and every row to 3e-2."""
+    a, b = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    err = np.abs(a - b).reshape(a.shape[0], -1).max(axis=1) / np.max(np.abs(b))
+    if dtype == "float32":
+        assert err.max() < 1e-5, err.max()
+        return
+    assert np.mean(err < 1e-4) >= 0.9, np.sort(err)[-8:]
+    assert err.max() < 3e-2, err.max()
+
+
 def _check_actions(actions, qs, qs_ref):
     """Greedy actions equal the reference argmax wherever the reference's top two expected Q
     are further apart than twice the largest Q error (only then is the argmax determined)."""
@@ -169,7 +185,7 @@ def test_bf16_kernel_equals_flax_bf16(rng):
         # but that can move a hidden activation across a bf16 rounding boundary (one bf16 step
         # is 2^-8 relative), so the outputs agree to bf16 accuracy, not to f32 rounding.
         assert _rel(q[d], q_flax[d]) < 5e-3
-        assert _rel(q[d], ref[d]) < 5e-3
+        _close(q[d], ref[d], "bfloat16")
         assert _rel(q[d], ref_f32[d]) < 3e-2  # bf16 against the f32 network
     _check_actions(a, q, ref)
 
@@ -207,7 +223,7 @@ def test_logits_kernel_equals_flax_and_float64(rng, layout, dtype):
         chex.assert_shape(logits[d], (45, n, 11))
         chex.assert_type(logits[d], jnp.float32)
         assert _rel(logits[d], flax_logits[d]) < tol
-        assert _rel(logits[d], ref[d]) < tol
+        _close(logits[d], ref[d], dtype)
     if dtype == "float32":  # the selection does not depend on the GEMM dtype
         actions = jnp.asarray(rng.integers(0, BRANCHES, (45, len(BRANCHES))), jnp.int32)
         taken = jax.jit(lambda p, o, a: fused_logits(p, o, net, actions=a, config=cfg,
@@ -292,7 +308,7 @@ def test_bootstrap_loss_kernel_equals_c51_loss_and_float64(rng, layout, dtype):
         log_q = x - x.max(axis=1, keepdims=True)
         log_q -= np.log(np.exp(log_q).sum(axis=1, keepdims=True))
         ref -= (proj * log_q).sum(axis=1) / nb
-    assert _rel(loss, ref) < tol
+    _close(loss, ref, dtype)
     via_backend = jax.jit(lambda p, o, a, t, r, g: PALLAS.bootstrap_loss(p, o, a, t, r, g, net,
                                                                           Z))(
         params, obs, best, taken, returns, discounts)
