@@ -327,19 +327,28 @@ def test_rollout_arguments_are_checked(tables):
         fused_rollout(agent.params, learner.network, learner.support, params, state, 3)
 
 
-def test_kernel_lowers_for_cuda_on_this_cpu(tables):
-    """Pallas -> Triton lowering of both modes at the default network width (no GPU needed),
-    with a CUDA device's launch shapes."""
-    gpu = tuning.for_device(SimpleNamespace(platform="gpu", core_count=132))
+def _for_cuda(tables, n: int, steps: int) -> SimpleNamespace:
+    """What lowering the kernel for a CUDA GPU on this CPU takes: an H200's tuning, the default
+    bf16 network of the smoke config, ``n`` episodes' start state, greedy draws and reset bars
+    for ``steps`` steps."""
     cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
     params = trading.make_params(tables, cfg.env, "train")
     learner = make_learner(cfg, cfg.env.branch_sizes)
-    agent = init_agent(jax.random.key(0), learner, trading.obs_dim(params))
-    n, steps = 256, 4
     _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
-    draws = jnp.full((steps, n, 3), -1, jnp.int32)
-    resets = jnp.broadcast_to(params.starts[:n], (steps, n))
-    net, z = learner.network, learner.support
+    return SimpleNamespace(
+        gpu=tuning.for_device(SimpleNamespace(platform="gpu", core_count=132)), params=params,
+        learner=learner, agent=init_agent(jax.random.key(0), learner, trading.obs_dim(params)),
+        state=state, draws=jnp.full((steps, n, 3), -1, jnp.int32),
+        resets=jnp.broadcast_to(params.starts[:n], (steps, n)))
+
+
+def test_kernel_lowers_for_cuda_on_this_cpu(tables):
+    """Pallas -> Triton lowering of both modes at the default network width (no GPU needed),
+    with a CUDA device's launch shapes."""
+    steps = 4
+    c = _for_cuda(tables, 256, steps)
+    gpu, params, agent, state, draws, resets = c.gpu, c.params, c.agent, c.state, c.draws, c.resets
+    net, z = c.learner.network, c.learner.support
     default = gpu.rollout_config(net.dtype)
     collect_fn = jax.jit(lambda p, s, d, r: fused_rollout(p, net, z, params, s, steps, draws=d,
                                                           reset_bars=r, config=default,
@@ -367,29 +376,23 @@ def test_a_window_s_launches_are_one_kernel(tables):
     (stepped), lower to one Triton kernel text for a CUDA GPU on this CPU: the step count and
     the step axis of the per-step arrays are not in it, so XLA compiles the rollout kernel once
     per program instead of once per launch length."""
-    gpu = tuning.for_device(SimpleNamespace(platform="gpu", core_count=132))
-    cfg = load_config("smoke", ["network.dtype=bfloat16", "network.backend=pallas"])
-    params = trading.make_params(tables, cfg.env, "train")
-    learner = make_learner(cfg, cfg.env.branch_sizes)
-    agent = init_agent(jax.random.key(0), learner, trading.obs_dim(params))
-    n, steps = 256, 12
-    _, state = jax.vmap(trading.reset_at, in_axes=(0, None))(params.starts[:n], params)
-    draws = jnp.full((steps, n, 3), -1, jnp.int32)
-    resets = jnp.broadcast_to(params.starts[:n], (steps, n))
-    net, z = learner.network, learner.support
+    steps = 12
+    c = _for_cuda(tables, 256, steps)
+    net, z, config = c.learner.network, c.learner.support, c.gpu.rollout_config("bfloat16")
     spans = launch_spans(steps)
     assert [b - a for a, b in spans] == [9, 3]
     for stepped in (False, True):
         def window(p, s, d, r, _stepped=stepped):
             outs = []
             for a, b in spans:
-                out, s = fused_rollout(p, net, z, params, s, b - a, draws=d[a:b],
-                                       reset_bars=r[a:b], config=gpu.rollout_config(net.dtype),
-                                       interpret=False, stepped=_stepped)
+                out, s = fused_rollout(p, net, z, c.params, s, b - a, draws=d[a:b],
+                                       reset_bars=r[a:b], config=config, interpret=False,
+                                       stepped=_stepped)
                 outs.append(out)
             return outs, s
-        calls = _triton_calls(jax.jit(window).trace(agent.params, state, draws, resets).lower(
-            lowering_platforms=("cuda",)).as_text())
+        lowered = jax.jit(window).trace(c.agent.params, c.state, c.draws, c.resets).lower(
+            lowering_platforms=("cuda",))
+        calls = _triton_calls(lowered.as_text())
         assert len(calls) == 2 and calls[0] == calls[1], stepped
 
 
