@@ -21,7 +21,8 @@ backends (``xla``, ``pallas``) and precisions (``float32``, ``bfloat16``) side b
 :mod:`.runner` runs them and writes the JSON after every section (``--json``); :mod:`.report`
 holds the tables, the roofline and ``--merge`` (:func:`foxhunt_jax.bench.report.merge`), which
 joins the JSONs of runs that split the sections between them. ``--quick`` runs every section at
-tiny sizes, a check of every code path on a CPU.
+tiny sizes, a check of every code path on a CPU (the compile section's processes then start
+from the caller's cache folder, not an empty one).
 
 The options are in :mod:`.options`, which imports nothing heavy, so that this package's import
 does not load JAX.

@@ -1,11 +1,15 @@
 """The ``compile`` section: the whole epoch's compile per variant in fresh processes: cold (an
 empty cache folder of its own), then from the caches it filled (JAX's persistent cache alone,
-and with the library's executable cache)."""
+and with the library's executable cache). ``--quick`` checks the path, not the times: its
+processes share the caller's cache folder, which the sections before filled, so nothing in
+them compiles cold (a cold compile is most of a quick run on a CPU)."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+
+import jax
 
 from foxhunt_jax.bench.child import child_cmd, child_env, report_child, run_child
 from foxhunt_jax.bench.common import Deadline
@@ -21,17 +25,20 @@ def section_compile(args, out: dict, deadline: Deadline) -> None:
              ("cached", {}))
     for name, _ in steps:
         out[name] = {"rows": []}
-    out["cold"]["source"] = "a fresh process per variant with an empty cache folder"
+    shared = jax.config.jax_compilation_cache_dir if args.quick else None
+    out["cold"]["source"] = ("--quick: the caller's cache folder" if shared else
+                             "a fresh process per variant with an empty cache folder")
     for variant in variants:
         label = "{}/{}".format(*variant)
-        with tempfile.TemporaryDirectory(prefix="foxhunt-bench-compile-") as cache:
+        with tempfile.TemporaryDirectory(prefix="foxhunt-bench-compile-") as fresh:
+            cache = shared or fresh
             # a step that is not run, or fails, skips the later ones: each reads the cache the
             # ones before it fill
             for k, (name, extra) in enumerate(steps):
                 if not deadline.ok(20):
                     skipped = steps[k:]
                     break
-                res = run_child(child_cmd(args, [variant], Path(cache) / f"{name}.json", 0),
+                res = run_child(child_cmd(args, [variant], Path(fresh) / f"{name}.json", 0),
                                 child_env(FOXHUNT_JAX_CACHE=cache, **extra),
                                 deadline.left() - 10)
                 report_child(name, res)

@@ -252,7 +252,8 @@ def test_compile_section_skips_the_steps_after_one_that_fails_or_runs_out_of_tim
 
     monkeypatch.setattr(compilation, "run_child", child)
     variants = [("xla", "float32"), ("xla", "bfloat16"), ("pallas", "bfloat16")]
-    args = SimpleNamespace(compile_variants=None, variants=variants, config="seed", overrides=[])
+    args = SimpleNamespace(compile_variants=None, variants=variants, config="seed", overrides=[],
+                           quick=False)
     out = {}
     compilation.section_compile(args, out, common.Deadline(600))
     assert [v for v, _ in calls] == (["xla:float32"] * 3 + ["xla:bfloat16"]
