@@ -251,16 +251,16 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     # the step count is read at run time, so the kernel's text does not depend on L: XLA
     # compiles a program's launches of one kernel text and grid once, and the launches of a
     # window's spans (``launch_spans``) differ only in L
-    steps = pl.Element(L)
+    step_axis = pl.Element(L)
     inputs = [feat, z, scal] + tables + [st_f, st_i]
     specs = [full(feat), full(z), full(scal)] + [full(a) for a in tables]
     specs += [cols(len(STATE_F)), cols(len(STATE_I))]
     if draws is not None:
         inputs.append(_pad_cols(jnp.transpose(draws.astype(jnp.int32), (0, 2, 1)), rows))
-        specs.append(pl.BlockSpec((steps, nb, bm), lambda i: (0, 0, i)))
+        specs.append(pl.BlockSpec((step_axis, nb, bm), lambda i: (0, 0, i)))
     if mode == "collect":
         inputs.append(_pad_cols(reset_bars.astype(jnp.int32), rows))
-        specs.append(pl.BlockSpec((steps, bm), lambda i: (0, i)))
+        specs.append(pl.BlockSpec((step_axis, bm), lambda i: (0, i)))
     else:
         lens = jnp.full((n,), L, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         inputs.append(_pad_cols(lens, rows))
@@ -274,13 +274,13 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                  jax.ShapeDtypeStruct((L, n_i, rows), jnp.int32),
                  jax.ShapeDtypeStruct((len(STATE_F), rows), jnp.float32),
                  jax.ShapeDtypeStruct((len(STATE_I), rows), jnp.int32)]
-    out_specs = [pl.BlockSpec((steps, len(OUT_F), bm), lambda i: (0, 0, i)),
-                 pl.BlockSpec((steps, n_i, bm), lambda i: (0, 0, i)),
+    out_specs = [pl.BlockSpec((step_axis, len(OUT_F), bm), lambda i: (0, 0, i)),
+                 pl.BlockSpec((step_axis, n_i, bm), lambda i: (0, 0, i)),
                  cols(len(STATE_F)), cols(len(STATE_I))]
     if collect:  # each branch's logits of the action taken
         kp = plan.atoms_pad
         out_shape.append(jax.ShapeDtypeStruct((L, nb, rows, kp), jnp.float32))
-        out_specs.append(pl.BlockSpec((steps, nb, bm, kp), lambda i: (0, 0, i, 0)))
+        out_specs.append(pl.BlockSpec((step_axis, nb, bm, kp), lambda i: (0, 0, i, 0)))
 
     env_static = {"episode_length": env_params.episode_length,
                   "time_barrier": env_params.time_barrier,
