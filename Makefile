@@ -11,8 +11,10 @@ $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
 	# the build backend (pyproject's build-system) is already in the environment: no isolated
-	# build environment to create for the editable install
-	$(VENV)/bin/python -m pip install --quiet --no-build-isolation -e ".[test]"
+	# build environment to create for the editable install; the installed modules are byte-compiled
+	# after it on every core (pip compiles them on one)
+	$(VENV)/bin/python -m pip install --quiet --no-build-isolation --no-compile -e ".[test]"
+	$(VENV)/bin/python -m compileall -q -j 0 $$($(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))") > /dev/null
 	@touch $(STAMP)
 
 train: $(STAMP)
