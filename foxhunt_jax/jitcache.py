@@ -74,8 +74,8 @@ PDL_OPTIONS = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}
 # Optional as PDL's options are; XLA_FLAGS naming it takes precedence.
 DOT_MERGER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 # JAX's XLA-side caches kept with the persistent cache: the autotuning results only, since
-# XLA's kernel cache (JAX's "all") broke a second process's programs on a GPU
-# (docs/performance.md).
+# XLA's kernel cache (JAX's "all") broke a second process's programs on a Hopper GPU: its file
+# drops the Triton GEMMs' TMA descriptors (openxla/xla#35951; docs/performance.md).
 XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
 # Most bytes the executable cache keeps; the least recently used entries go first
 # (FOXHUNT_JAX_EXECUTABLE_CACHE_MB overrides).
