@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import sys
 import time
@@ -33,6 +32,7 @@ from foxhunt_jax.config import (Config, differences, dump_yaml, from_dict, read_
                                 to_dict)
 from foxhunt_jax.env.gymnax_task import TRADING, make_task
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.jitcache import enable_compilation_cache
 from foxhunt_jax.policy.policy import restore_params, run_member_config
 from foxhunt_jax.policy.spec import write_statistics
@@ -609,10 +609,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     written = []
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(to_jsonable(payload), indent=2))
-        os.replace(tmp, path)
-        written.append(path)
+        written.append(write_atomic(path, json.dumps(to_jsonable(payload), indent=2)))
         written.append(report.plot_equity(path.with_suffix(".png"), res,
                                           f"Equal-weight portfolio on the {split} split"))
         written.append(write_trades_csv(path.with_name(path.stem + "_trades.csv"), trades))
@@ -826,12 +823,10 @@ def _population_report(pop: PopulationTrainer, state: TrainerState, out: Path | 
             f"{test['metrics']['agent_percentile'].get('sharpe', float('nan')):.0f}")
     if out is not None and jax.process_index() == 0:
         path = out / POPULATION_FILE
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(to_jsonable({
+            write_atomic(path, json.dumps(to_jsonable({
                 "bars_per_year": pop.trainer.market.bars_per_year, "members": members}),
                 indent=1))
-            os.replace(tmp, path)
         except OSError as e:
             raise FoxhuntError(f"cannot write {e.filename or path} "
                                f"({(e.strerror or str(e)).lower()})") from None

@@ -43,11 +43,12 @@ import json
 import os
 import stat
 import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Any
+
+from foxhunt_jax.files import write_atomic
 
 _ROOT = Path(__file__).resolve().parent.parent
 # JAX settings that change what a program lowers to
@@ -453,25 +454,17 @@ def _load(path: Path, args, key: str):
 
 
 def _store(path: Path, compiled, args, key: str, name: str, payload: bytes | None) -> None:
-    """Writes the entry of ``compiled`` atomically (a private temporary file, then rename);
+    """Writes the entry of ``compiled`` whole and readable by its owner only;
     ``payload``: its serialized executable where not its own serialization."""
     from foxhunt_jax import executable_codec
 
-    tmp = None
     try:
         blob = executable_codec.encode(compiled, args, key, payload)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # mode 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-        tmp = None
+        write_atomic(path, blob, mode=0o600)
         evict(path.parent, _max_bytes())
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs time
         warn(f"executable cache: not saving {name} ({type(e).__name__}: {str(e)[:200]})")
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def compile_cached(jitted, args: tuple, *, name: str, config: Any):

@@ -16,6 +16,7 @@ import jax
 from foxhunt_jax.bench.common import PACKAGE_ROOT, build_trainer, spread, variant_cfg
 from foxhunt_jax.bench.seed import time_epochs
 from foxhunt_jax.data.loader import load_market
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.jitcache import enable_compilation_cache
 
 
@@ -100,6 +101,6 @@ def child_main(args) -> dict:
     res = {"cache": cache, "jax_startup_s": startup, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "rows": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_atomic(args.json, json.dumps(res, indent=2))
     return res
 

@@ -15,6 +15,7 @@ from foxhunt_jax.bench.options import SECTIONS
 from foxhunt_jax.bench.train import seed_train_rows
 from foxhunt_jax.config import load_config
 from foxhunt_jax.errors import FoxhuntError
+from foxhunt_jax.files import write_atomic
 
 
 def roofline(res: dict, args) -> dict:
@@ -313,7 +314,7 @@ def run_merge(args) -> dict:
     print(text, flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+        write_atomic(args.json, json.dumps(res, indent=2, default=str))
     print(wrote_line(args.json), flush=True)
     return res
 

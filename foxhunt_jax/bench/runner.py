@@ -23,6 +23,7 @@ from foxhunt_jax.bench.options import DEFAULT_VARIANTS, SECTIONS, add_arguments,
 from foxhunt_jax.bench.report import roofline, run_merge, tables, wrote_line
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.jitcache import compilation_cache_in, compiler_options
 
 # --quick: the smoke config shrunk further, so that every code path runs in seconds on a CPU
@@ -151,7 +152,7 @@ def run_sections(args, argv) -> dict:
     def save():
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+            write_atomic(args.json, json.dumps(res, indent=2, default=str))
 
     cfg0 = variant_cfg(args, "xla", "float32")
     market = load_market(cfg0.data.source, sort=cfg0.data.sort, synthetic=cfg0.data.synthetic)

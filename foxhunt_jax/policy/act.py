@@ -16,6 +16,7 @@ from foxhunt_jax.config import from_dict
 from foxhunt_jax.data import features
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.policy import spec
 from foxhunt_jax.policy.policy import (BAR_FIELDS, Policy, Position, check_position, describe,
                                        portfolio_of)
@@ -93,10 +94,7 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def write_json(path: str | Path, payload) -> None:
     """Writes ``payload`` to ``path`` whole (a temporary file renamed into place)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(payload, indent=1))
 
 
 __all__ = ["act", "table", "write_json"]

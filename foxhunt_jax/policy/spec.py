@@ -30,6 +30,7 @@ from foxhunt_jax.data.features import (WARMUP, MarketTables, build_tables, instr
 from foxhunt_jax.data.loader import frame_to_instruments, load_market
 from foxhunt_jax.data.market import Instrument, MarketData
 from foxhunt_jax.errors import ConfigError, DataError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.training.rundir import STATISTICS_FILE
 
 PRICE_COLUMNS = ("open", "high", "low", "close")
@@ -62,10 +63,7 @@ def write_statistics(run_dir: str | Path, tables: MarketTables, market: MarketDa
     """Writes ``run_dir/normalization.json`` (float32 values survive the JSON round trip)."""
     path = Path(run_dir) / STATISTICS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(statistics_of(tables, market), indent=1))
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(statistics_of(tables, market), indent=1))
 
 
 def run_statistics(run_dir: str | Path, cfg: Config, warn=None) -> dict:

@@ -47,16 +47,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.research.significance import (deflated_sharpe_ratio, mean_ci,
                                                probability_of_backtest_overfitting,
                                                sharpe_ratio)
+from foxhunt_jax.files import write_atomic
+from foxhunt_jax.training.report import save_figure
 from foxhunt_jax.training.rundir import to_jsonable
 
 REPORT_JSON = "population_report.json"
@@ -71,7 +73,6 @@ MEMBER_KEYS = ("member", "seed", "hparams", "selected_epoch", "validation", "tes
 MAX_SPLITS = 16  # the CSCV partitions of the PBO paper
 BAND_PERCENTILES = (5, 95)  # the members' equity band, date by date
 SEEDS_ONLY = "config as given (seeds only)"  # the name of the setting without hparams
-DPI = 120
 
 
 class _Population(NamedTuple):
@@ -497,8 +498,6 @@ def sharpe_scatter_figure(members: Sequence[Mapping]):
     """Test Sharpe against validation Sharpe, one point per member coloured by setting (legend:
     the setting's name as the summary table gives it, and its member count), the chosen member
     marked (:func:`chosen_label`), and the line test = validation."""
-    from matplotlib.figure import Figure  # heavy, only when plotting
-
     pop = _population(members)
     x, y = pop.metric("validation", "sharpe"), pop.metric("test", "sharpe")
     index = int(np.argmax(x))
@@ -545,8 +544,6 @@ def band_label() -> str:
 def equity_band_figure(members: Sequence[Mapping]):
     """Every member's test equity by date as a thin line, the members' 5-95% band and median
     date by date (``np.percentile``, linear), the chosen member in bold (:func:`chosen_label`)."""
-    from matplotlib.figure import Figure  # heavy, only when plotting
-
     pop = _population(members)
     dates, curves = equity_curves(members)
     index = int(np.argmax(pop.metric("validation", "sharpe")))
@@ -570,38 +567,14 @@ def equity_band_figure(members: Sequence[Mapping]):
     return fig
 
 
-def _write_atomic(path: Path, write: Callable[[Any], None]) -> Path:
-    """Writes through a fresh temporary file beside ``path``, then renames it: a reader sees
-    the old file or the new one, and no other file is touched."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _save_figure(fig, path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy, only when plotting
-
-    FigureCanvasAgg(fig)
-    fig.tight_layout()
-    return _write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
-
-
 def plot_test_vs_validation(path: str | os.PathLike, members: Sequence[Mapping]) -> Path:
     """Writes :func:`sharpe_scatter_figure` to the PNG ``path``."""
-    return _save_figure(sharpe_scatter_figure(members), Path(path))
+    return save_figure(sharpe_scatter_figure(members), Path(path))
 
 
 def plot_equity_band(path: str | os.PathLike, members: Sequence[Mapping]) -> Path:
     """Writes :func:`equity_band_figure` to the PNG ``path``."""
-    return _save_figure(equity_band_figure(members), Path(path))
+    return save_figure(equity_band_figure(members), Path(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,8 +673,8 @@ def population_report(members: Sequence[Mapping], out_dir: str | os.PathLike,
                           f"({(e.strerror or str(e)).lower()})") from None
     written = [plot_test_vs_validation(out / SCATTER_PNG, members),
                plot_equity_band(out / BAND_PNG, members),
-               _write_atomic(out / REPORT_MD, lambda f: f.write(markdown.encode())),
-               _write_atomic(out / REPORT_JSON, lambda f: f.write(text.encode()))]
+               write_atomic(out / REPORT_MD, markdown),
+               write_atomic(out / REPORT_JSON, text)]
     return {**report, "written": [str(p) for p in written]}
 
 

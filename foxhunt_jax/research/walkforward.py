@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from foxhunt_jax import api
 from foxhunt_jax.config import Config, replace, to_dict
 from foxhunt_jax.data.features import WARMUP, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.errors import ConfigError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.research.significance import (block_bootstrap_ci, deflated_sharpe_ratio,
                                                sharpe_ratio)
 from foxhunt_jax.training.checkpoint import latest_step
 from foxhunt_jax.training.metrics import PERCENTILES, beat_percentile, max_drawdowns
+from foxhunt_jax.training.report import save_figure
 from foxhunt_jax.training.rundir import to_jsonable
 
 WINDOWS = ("expanding", "sliding")
@@ -169,7 +171,7 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
     rows = max(len(fold_tables(cfg, fold).close) for fold in plan)
     shaped = replace(cfg, data={"min_table_rows": max(cfg.data.min_table_rows, rows)})
     out.mkdir(parents=True, exist_ok=True)
-    (out / PLAN_FILE).write_text(text)
+    write_atomic(out / PLAN_FILE, text)
     results = []
     for fold in plan:
         run = out / f"fold_{fold.index}"
@@ -187,9 +189,7 @@ def walkforward(cfg: Config, folds: int, window: str = "expanding",
     report.update(folds=len(plan), window=window, sliding_blocks=sliding_blocks,
                   validation_fraction=validation_fraction)
     path = out / "walkforward.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_jsonable(report), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(to_jsonable(report), indent=2) + "\n")
     plot_walkforward(out / "walkforward.png", report)
     log(summary_table(report))
     log(f"walk-forward written to {path} and {out / 'walkforward.png'} (folds in "
@@ -366,9 +366,6 @@ def summary_table(report: dict) -> str:
 def plot_walkforward(path: Path, report: dict) -> Path:
     """Stitched equity by date: agent, buy-and-hold, flat, the random 5-95% band; fold
     boundaries as vertical lines."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy, only when plotting
-    from matplotlib.figure import Figure
-
     c = report["curve"]
     dates = np.asarray(c["dates"], "datetime64[s]")
     fig = Figure(figsize=(10, 5))
@@ -387,9 +384,7 @@ def plot_walkforward(path: Path, report: dict) -> Path:
     ax.set_ylabel("equity")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["walkforward", "plan_folds", "fold_tables", "stitch", "stitched_report",

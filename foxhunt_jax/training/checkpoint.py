@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.errors import FoxhuntError, NonFiniteError
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.training.rundir import to_jsonable
 
 KEEP = 2
@@ -309,9 +310,7 @@ def _step_files(step_dir: Path) -> list[Path]:
 def _write_digests(step_dir: Path) -> None:
     """``digests.json`` of a complete step: size and CRC-32 of each file (written atomically)."""
     files = {str(p.relative_to(step_dir)): _file_digest(p) for p in _step_files(step_dir)}
-    tmp = step_dir / (DIGESTS_FILE + ".tmp")
-    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1))
-    os.replace(tmp, step_dir / DIGESTS_FILE)
+    write_atomic(step_dir / DIGESTS_FILE, json.dumps({"format": 1, "files": files}, indent=1))
 
 
 def verify(ckpt_dir: str | os.PathLike, step: int) -> bool:

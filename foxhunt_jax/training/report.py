@@ -43,6 +43,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.training.rundir import flatten, read_metrics, to_jsonable
 
 DPI = 120
@@ -60,13 +61,12 @@ PHASE_COLORS = {"experience": "tab:blue", "training": "tab:orange", "validation"
                 "other": "tab:gray", "init": "tab:purple", "compile": "tab:red"}
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
+    """Writes ``fig`` as a PNG at :data:`DPI`, whole (:func:`~foxhunt_jax.files.write_atomic`),
+    its layout tightened first; returns the path."""
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=DPI)
-    os.replace(tmp, path)  # a reader never sees half a PNG
-    return path
+    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
 
 
 def _style(name: str) -> dict:
@@ -98,7 +98,7 @@ def band_label(random: Mapping[str, Any]) -> str:
 
 def plot_equity(path: str | os.PathLike, evaluation: Mapping[str, Any], title: str) -> Path:
     """Writes :func:`equity_figure` to the PNG ``path``."""
-    return _save(equity_figure(evaluation, title), Path(path))
+    return save_figure(equity_figure(evaluation, title), Path(path))
 
 
 def equity_figure(evaluation: Mapping[str, Any], title: str) -> Figure:
@@ -196,7 +196,7 @@ def _policy_panel(ax, records, metric: str, title: str, percent: bool) -> None:
 
 def plot_training(path: str | os.PathLike, records: Sequence[Mapping]) -> Path:
     """Writes :func:`training_figure` to the PNG ``path``."""
-    return _save(training_figure(records), Path(path))
+    return save_figure(training_figure(records), Path(path))
 
 
 def _mark_selected(axes, records: Sequence[Mapping]) -> None:
@@ -272,7 +272,7 @@ def _fmt_ms(ms: float) -> str:
 
 def plot_phases(path: str | os.PathLike, records: Sequence[Mapping]) -> Path:
     """Writes :func:`phases_figure` to the PNG ``path``."""
-    return _save(phases_figure(records), Path(path))
+    return save_figure(phases_figure(records), Path(path))
 
 
 def phases_figure(records: Sequence[Mapping]) -> Figure:
@@ -435,10 +435,8 @@ def _write_summary(report_dir: Path, summary: Mapping[str, Any]) -> Path:
     """``report_dir/summary.json`` (the folder made if needed), written whole."""
     report_dir.mkdir(parents=True, exist_ok=True)
     summary_path = report_dir / "summary.json"
-    tmp = summary_path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(to_jsonable(summary), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, summary_path)
-    return summary_path
+    return write_atomic(summary_path,
+                        json.dumps(to_jsonable(summary), indent=2, allow_nan=False) + "\n")
 
 
 def returns_figure(records: Sequence[Mapping], final_return: float | None = None) -> Figure:
@@ -486,7 +484,7 @@ def write_episode_report(out_dir: str | os.PathLike, summary: Mapping[str, Any],
         records = read_metrics(out_dir)
     if records:
         final = summary.get("final", {}).get("mean_return")
-        written.append(_save(returns_figure(records, final), report_dir / "returns.png"))
+        written.append(save_figure(returns_figure(records, final), report_dir / "returns.png"))
         written.append(plot_phases(report_dir / "phases.png", records))
     return written
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, DataError
 
@@ -100,18 +101,6 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
             out[key] = v
     return out
 
-
-def _write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    _write_atomic_bytes(path, text.encode())
 
 
 def _drop_partial_line(path: Path) -> None:
@@ -200,7 +189,7 @@ def truncate_events(path: Path, epoch: int) -> None:
     if not scalars:
         Path(path).unlink()
     elif dropped or sum(map(len, kept)) != len(data):
-        _write_atomic_bytes(Path(path), b"".join(kept))
+        write_atomic(path, b"".join(kept))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +384,7 @@ def _run_marker(config_text: str, **extra) -> str:
 def _create_exclusive(path: Path, text: str) -> None:
     """Writes ``path`` unless it exists (a concurrent start made it first)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    _write_atomic_bytes(tmp, text.encode())
+    write_atomic(tmp, text)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -433,7 +422,7 @@ class RunWriter:
     def write_config(self, text: str) -> None:
         """Writes config.yaml (replacing it atomically)."""
         if self.active:
-            _write_atomic(self.out_dir / CONFIG_FILE, text)
+            write_atomic(self.out_dir / CONFIG_FILE, text)
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Appends one epoch record to metrics.jsonl (fsynced) and, with :attr:`tensorboard`,
@@ -494,7 +483,7 @@ class RunWriter:
         self._close_files()
         kept = [r for r in read_metrics(self.out_dir) if int(r.get("epoch", 0)) <= epoch]
         if self.metrics_path.exists():
-            _write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         for path in sorted((self.out_dir / "tb").glob("events.out.tfevents.*")):
             truncate_events(path, epoch)
 
@@ -577,7 +566,7 @@ def open_run(out_dir: str | os.PathLike, config_text: str, *, resume: bool = Fal
         check_run_folder(out, resume, locked=True)
         writer = RunWriter(out, tensorboard=tensorboard)
         if not resume:
-            _write_atomic(out / RUN_FILE, _run_marker(config_text))
+            write_atomic(out / RUN_FILE, _run_marker(config_text))
             writer.write_config(config_text)
             writer.truncate_after(0)
     except BaseException:

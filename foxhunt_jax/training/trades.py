@@ -10,6 +10,7 @@ The env is deterministic: the replay's equity is the walk's.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from foxhunt_jax.env import trading
+from foxhunt_jax.files import write_atomic
 from foxhunt_jax.jitcache import compile_cached, jit
 from foxhunt_jax.training.metrics import TRADE_COLUMNS, trade_log
 
@@ -65,15 +67,12 @@ def walk_trades(env_params, starts: np.ndarray, lengths: np.ndarray, actions: np
 
 def write_trades_csv(path: str | os.PathLike, trades: list[dict]) -> Path:
     """Writes the trades as CSV (``TRADE_COLUMNS``; times as ISO 8601) atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(TRADE_COLUMNS)
-        for t in trades:
-            out.writerow([_cell(t[c]) for c in TRADE_COLUMNS])
-    os.replace(tmp, path)
-    return path
+    text = io.StringIO(newline="")
+    out = csv.writer(text)
+    out.writerow(TRADE_COLUMNS)
+    for t in trades:
+        out.writerow([_cell(t[c]) for c in TRADE_COLUMNS])
+    return write_atomic(path, text.getvalue())
 
 
 def _cell(value) -> str:

@@ -29,8 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("foxhunt_jax", "pallas_kernels")
-FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.parallel", "foxhunt_jax.jitcache",
-              "foxhunt_jax.executable_codec", "foxhunt_jax.version")
+FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.files", "foxhunt_jax.parallel",
+              "foxhunt_jax.jitcache", "foxhunt_jax.executable_codec", "foxhunt_jax.version")
 # (layer, module prefixes), lowest first
 LAYERS = [
     ("foundation", FOUNDATION),
