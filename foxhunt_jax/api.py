@@ -34,7 +34,7 @@ from foxhunt_jax.env.gymnax_task import TRADING, make_task
 from foxhunt_jax.errors import ConfigError, FoxhuntError, NonFiniteError
 from foxhunt_jax.files import write_atomic
 from foxhunt_jax.jitcache import enable_compilation_cache
-from foxhunt_jax.policy.policy import restore_params, run_member_config
+from foxhunt_jax.policy.policy import check_agent, restore_params, run_member_config
 from foxhunt_jax.policy.spec import write_statistics
 from foxhunt_jax.research.population import chosen_lines, population_report
 from foxhunt_jax.training import checkpoint, report, validate
@@ -484,9 +484,6 @@ def load_run(run_dir: str | Path, data: list[str] | None = None) -> tuple[Traine
     return trainer, state
 
 
-AGENTS = ("selected", "last")
-
-
 def run_agent(run_dir: str | Path, state: TrainerState, agent: str = "selected"
               ) -> tuple[AgentState, dict]:
     """The agent of a run (:func:`load_run`'s ``state``) on the host, and what it is.
@@ -497,8 +494,7 @@ def run_agent(run_dir: str | Path, state: TrainerState, agent: str = "selected"
     agent, and the description says so. ``"last"``: the state's own. The description holds
     ``agent``, ``epoch`` and, for a selected agent, ``select_metric`` and ``select_value``.
     """
-    if agent not in AGENTS:
-        raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
+    check_agent(agent)
     host, epoch = parallel.to_host(state.agent), int(state.epoch)
     if agent == "last":
         return host, {"agent": "last", "epoch": epoch}
@@ -582,8 +578,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: list[str] | None = 
     """
     if split not in ("validation", "test"):
         raise ConfigError(f"--split must be validation or test, got {split!r}")
-    if agent not in AGENTS:
-        raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
+    check_agent(agent)
     log = log or print
     use_compile_cache(compile_cache)
     t0 = time.perf_counter()
@@ -860,4 +855,4 @@ def report_rows(members: list[dict]) -> list[dict]:
 
 __all__ = ["train", "evaluate", "load_run", "build_trainer", "run_agent", "agent_text",
            "evaluation_path", "TrainResult", "PopulationResult", "POPULATION_FILE",
-           "member_selected_dir", "phase_line", "all_finite", "AGENTS"]
+           "member_selected_dir", "phase_line", "all_finite"]

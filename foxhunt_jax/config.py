@@ -149,8 +149,9 @@ class CuriosityConfig:
     hidden: int = setting(128, "hidden width of the novelty networks")
     embed: int = setting(32, "embedding width of the novelty networks")
     learning_rate: float = setting(1e-4, "Adam learning rate of the novelty predictor")
-    # bf16x3 is 1.6x faster with a relative novelty error ~1e-5 (~1e-3 late in a run); the
-    # predictor's update at the learner's batch always multiplies in true f32 (docs/replay.md)
+    # bf16x3 keeps the novelty's relative error near 1e-5 (1e-3 late in a run); its speed is in
+    # docs/performance.md. The predictor's update at the learner's batch always multiplies in
+    # true f32 (docs/replay.md)
     precision: str = setting("auto", "novelty GEMMs: float32, bf16x3 (three bf16 products), or "
                                      "auto (bf16x3 when network.dtype is bfloat16)")
 

@@ -138,9 +138,9 @@ _RND = KernelConfig(block_rows=128, num_warps=8)
 ROLLOUT_MAX_EPISODES = 1 << 15
 # A collection rollout whose blocks fill the multiprocessors (a launch's share of them) at least
 # this many times over launches once a timestep (:func:`pallas_kernels.rollout.fused_rollout`'s
-# ``stepped``): populations of 64 (four waves of 128-row blocks) and 32 (two waves) collect 11 %
-# and 10 % faster so, one of 16 (one wave) is slower, and a single agent's blocks fit in one wave
-# and keep the one launch (docs/performance.md).
+# ``stepped``), because there the per-step launches collect faster than the one launch of the
+# whole window; a single agent's blocks fit in one wave and keep the one launch. The
+# populations measured either way are in docs/performance.md.
 STEPPED_WAVES = 2
 _REPLAY_GPU = ReplaySearch(count_max=1 << 24)
 

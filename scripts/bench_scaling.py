@@ -31,9 +31,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 import jax  # noqa: E402
 
 from foxhunt_jax.config import load_config, to_dict  # noqa: E402
+from foxhunt_jax.training.pipeline import PHASES  # noqa: E402
 from foxhunt_jax.training.trainer import Trainer  # noqa: E402
-
-PHASES = ("experience", "training", "validation")
 
 
 def config_for(n: int, args: argparse.Namespace):

@@ -4,11 +4,9 @@ from foxhunt_jax.env.trading import (
     PORTFOLIO_DIM,
     EnvParams,
     EnvState,
-    branch_sizes,
     decode,
     encode,
     make_params,
-    num_branches,
     obs_dim,
     obs_from,
     observation,
@@ -23,6 +21,6 @@ from foxhunt_jax.env.trading import (
 
 __all__ = [
     "EnvParams", "EnvState", "make_params", "reset", "reset_at", "step_env", "step",
-    "observation", "portfolio_obs", "obs_from", "obs_dim", "branch_sizes", "num_branches",
+    "observation", "portfolio_obs", "obs_from", "obs_dim",
     "encode", "decode", "rollout", "random_policy", "PORTFOLIO_DIM",
 ]

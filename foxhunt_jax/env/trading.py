@@ -91,10 +91,6 @@ class EnvState:
     time_in_trade: jax.Array
 
 
-def branch_sizes(env_cfg: EnvConfig) -> tuple[int, ...]:
-    return env_cfg.branch_sizes
-
-
 def padded_size(n: int) -> int:
     """The length a table of ``n`` rows (or ``n`` start bars) is padded to in :class:`EnvParams`:
     the next power of two. Markets of nearby sizes (another window, a walk-forward's folds)
@@ -144,10 +140,6 @@ def make_params(tables: MarketTables, env_cfg: EnvConfig, split: str,
 
 def obs_dim(params: EnvParams) -> int:
     return int(params.features.shape[1]) + P
-
-
-def num_branches(params: EnvParams) -> int:
-    return 1 + int(params.has_take_profit) + int(params.has_stop_loss)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +435,7 @@ def rollout(key: jax.Array, params: EnvParams, policy_fn: Callable, num_episodes
 __all__ = [
     "EnvParams", "EnvState", "make_params", "reset", "reset_at", "fresh_state", "start_bar",
     "step_env", "advance", "step", "observation", "portfolio_obs", "portfolio_features",
-    "obs_from", "obs_dim", "branch_sizes", "num_branches",
+    "obs_from", "obs_dim",
     "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
     "STOP_LOSS", "TIME", "RUIN",
 ]

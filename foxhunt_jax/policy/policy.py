@@ -42,10 +42,16 @@ from foxhunt_jax.policy import spec
 from foxhunt_jax.training import checkpoint
 from foxhunt_jax.training.trainer import initial_state
 
-AGENTS = ("selected", "last")
+AGENTS = ("selected", "last")  # which of a run's agents: the one selected on validation, the last
 BAR_FIELDS = ("features", "open", "high", "low", "close", "sigma")
 # a step count never reached: no truncation, and no time barrier in the fill preview
 _NEVER = 2 ** 30
+
+
+def check_agent(agent: str) -> None:
+    """Refuses, with one line naming the option, an ``agent`` not in :data:`AGENTS`."""
+    if agent not in AGENTS:
+        raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
 
 
 @struct.dataclass
@@ -360,8 +366,7 @@ class Policy:
         ``member``: which member of a population run (required there; its own config,
         :func:`run_member_config`)."""
         run = Path(run_dir)
-        if agent not in AGENTS:
-            raise ConfigError(f"--agent must be one of {', '.join(AGENTS)}, got {agent!r}")
+        check_agent(agent)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} is not a run directory (no config.yaml)")
         run_cfg = resolve_config(from_dict(read_yaml(run / "config.yaml")))
@@ -490,5 +495,5 @@ def _time(ts) -> str:
 
 
 __all__ = ["Policy", "Position", "BarInputs", "PolicyState", "Decision", "Core", "AGENTS",
-           "decide_at", "start_at", "step_from", "portfolio_of", "check_position", "restore_params",
-           "config_digest", "decision_dict", "state_dict", "describe"]
+           "check_agent", "decide_at", "start_at", "step_from", "portfolio_of", "check_position",
+           "restore_params", "config_digest", "decision_dict", "state_dict", "describe"]

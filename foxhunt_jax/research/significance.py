@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 # The zero-risk threshold of the project's one Sharpe definition.
-from foxhunt_jax.training.metrics import _TINY
+from foxhunt_jax.training.metrics import ZERO_RISK
 
 EULER_MASCHERONI = 0.5772156649015329
 _NORMAL = NormalDist()
@@ -89,7 +89,7 @@ def sharpe_ratio(returns, periods_per_year: float = 1.0) -> SharpeRatio:
     if not periods_per_year > 0:
         raise ValueError(f"periods_per_year must be > 0, got {periods_per_year}")
     mean, std = r.mean(axis=-1), r.std(axis=-1)
-    per_period = np.where(std > _TINY, mean / np.where(std > _TINY, std, 1.0), 0.0)
+    per_period = np.where(std > ZERO_RISK, mean / np.where(std > ZERO_RISK, std, 1.0), 0.0)
     annualized = per_period * math.sqrt(periods_per_year)
     if r.ndim == 1:
         return SharpeRatio(float(per_period), float(annualized))
@@ -111,7 +111,7 @@ def return_moments(returns) -> tuple[float, float]:
     r = _finite_array(returns, "returns", 1, 2)
     d = r - r.mean()
     m2 = float(np.mean(d ** 2))
-    if math.sqrt(m2) <= _TINY:
+    if math.sqrt(m2) <= ZERO_RISK:
         raise ValueError("returns are constant: their skewness and kurtosis are undefined")
     return float(np.mean(d ** 3)) / m2 ** 1.5, float(np.mean(d ** 4)) / m2 ** 2
 

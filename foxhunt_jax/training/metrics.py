@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-_TINY = 1e-12  # below this a std / drawdown counts as zero
+ZERO_RISK = 1e-12  # below this a std / drawdown counts as zero (the Sharpe ratio is then 0)
 _EQUITY_FLOOR = 1e-12  # fraction of initial equity used in place of a non-positive equity
 
 METRIC_KEYS = (
@@ -86,7 +86,7 @@ def max_drawdowns(equity: np.ndarray) -> np.ndarray:
 
 
 def _safe_ratio(num: float, den: float) -> float:
-    return float(num / den) if den > _TINY else 0.0
+    return float(num / den) if den > ZERO_RISK else 0.0
 
 
 def trading_metrics(equity, exposure, trades, bars_per_year: float, turnover=None) -> dict:
@@ -419,6 +419,6 @@ def trade_log(steps: dict, close: np.ndarray, timestamps: np.ndarray,
 
 
 __all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
-           "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
+           "ZERO_RISK", "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
            "beat_percentiles", "evaluation_results", "trade_log", "PERCENTILES", "ACTIVITY_KEYS",
            "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "TRADE_COLUMNS"]

@@ -15,6 +15,7 @@ from foxhunt_jax.config import EnvConfig
 from foxhunt_jax.data.features import MarketTables, build_tables
 from foxhunt_jax.data.loader import load_market
 from foxhunt_jax.env import trading
+from foxhunt_jax.env.gymnax_env import param_branch_sizes
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.training import validate
 from foxhunt_jax.training.metrics import trading_metrics
@@ -322,8 +323,8 @@ def test_shapes_dtypes_and_params(us_tables):
     cfg = EnvConfig()
     params = trading.make_params(us_tables, cfg, "train")
     assert trading.obs_dim(params) == us_tables.features.shape[1] + 6 == 40
-    assert trading.branch_sizes(cfg) == (5, 3, 3) and trading.num_branches(params) == 3
-    assert trading.branch_sizes(EnvConfig(take_profit=())) == (5, 3)
+    assert cfg.branch_sizes == param_branch_sizes(params) == (5, 3, 3)
+    assert EnvConfig(take_profit=()).branch_sizes == (5, 3)
     # abstract evaluation: shapes and dtypes without compiling
     obs, state = jax.eval_shape(trading.reset, KEY, params)
     chex.assert_shape(obs, (40,))
