@@ -26,7 +26,7 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.env.trading import PORTFOLIO_DIM
 from foxhunt_jax.jitcache import jit
 from foxhunt_jax.training import collect
-from foxhunt_jax.training.trainer import TRADING_ADAPTER
+from foxhunt_jax.training.phases import TRADING_ADAPTER
 
 
 def make_rollout(learner, backend, adapter, env_params, num_steps: int, *, use_q: bool = True,

@@ -40,7 +40,7 @@ from foxhunt_jax.env import trading
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.policy import spec
 from foxhunt_jax.training import checkpoint
-from foxhunt_jax.training.trainer import initial_state
+from foxhunt_jax.training.phases import initial_state
 
 AGENTS = ("selected", "last")  # which of a run's agents: the one selected on validation, the last
 BAR_FIELDS = ("features", "open", "high", "low", "close", "sigma")
