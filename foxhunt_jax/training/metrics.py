@@ -419,6 +419,6 @@ def trade_log(steps: dict, close: np.ndarray, timestamps: np.ndarray,
 
 
 __all__ = ["trading_metrics", "log_returns", "max_drawdowns", "valid_bars", "METRIC_KEYS",
-           "ZERO_RISK", "portfolio_by_date", "portfolio_metrics", "metric_percentiles", "beat_percentile",
-           "beat_percentiles", "evaluation_results", "trade_log", "PERCENTILES", "ACTIVITY_KEYS",
-           "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "TRADE_COLUMNS"]
+           "ZERO_RISK", "portfolio_by_date", "portfolio_metrics", "metric_percentiles",
+           "beat_percentile", "beat_percentiles", "evaluation_results", "trade_log", "PERCENTILES",
+           "ACTIVITY_KEYS", "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "TRADE_COLUMNS"]

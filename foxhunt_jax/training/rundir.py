@@ -102,7 +102,6 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-
 def _drop_partial_line(path: Path) -> None:
     """Cuts an unterminated last line (a write killed midway) so appends start on a fresh line."""
     if not path.exists():
