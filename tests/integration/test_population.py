@@ -151,9 +151,14 @@ def test_members_split_over_two_devices_give_the_one_device_numbers(tmp_path):
                          [np.asarray(x) for x in jax.tree.leaves(state)]))
         (one, loss_one, leaves_one), (two, loss_two, leaves_two) = runs
         assert (one, two) == (1, 2), (one, two)
-        assert loss_one == loss_two, (loss_one, loss_two)
+        np.testing.assert_allclose(loss_one, loss_two, rtol=1e-6)
+        # integers (replay slots, actions, keys, counters) equal; floats to float32 rounding:
+        # with fewer members a device, XLA may sum a member's reductions in another order
         for a, b in zip(leaves_one, leaves_two):
-            np.testing.assert_array_equal(a, b)
+            if np.issubdtype(a.dtype, np.floating):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            else:
+                np.testing.assert_array_equal(a, b)
         print("same")
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT),
