@@ -67,8 +67,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.tuning import MAX_CHUNK, KernelConfig, block_rows_for, for_device, next_pow2
 
-_ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ALIGN = 16  # smallest GEMM dimension Triton's tensor-core dot accepts
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LAYOUTS = ("grouped", "per_action")
 
 
@@ -84,7 +84,7 @@ def chunks(width: int, max_chunk: int = 256) -> tuple[int, ...]:
     to 16. ``chunks(160) == (128, 32)``, ``chunks(40) == (32, 16)``, ``chunks(256) == (256,)``,
     ``chunks(256, 128) == (128, 128)``.
     """
-    rest = -(-int(width) // _ALIGN) * _ALIGN
+    rest = -(-int(width) // ALIGN) * ALIGN
     out = []
     while rest > 0:
         piece = min(max_chunk, 1 << (rest.bit_length() - 1))
@@ -93,7 +93,8 @@ def chunks(width: int, max_chunk: int = 256) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+def offsets_of(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each of consecutive pieces of ``sizes`` starts: ``(0, s0, s0 + s1, ...)``."""
     return tuple(int(x) for x in np.cumsum((0,) + tuple(sizes))[:-1])
 
 
@@ -113,14 +114,14 @@ class Plan:
 
     @property
     def atoms_pad(self) -> int:
-        return max(_ALIGN, next_pow2(self.atoms))
+        return max(ALIGN, next_pow2(self.atoms))
 
     def actions_pad(self, d: int) -> int:
         return next_pow2(self.branch_sizes[d])
 
     @property
     def q_offsets(self) -> tuple[int, ...]:
-        return _offsets([self.actions_pad(d) for d in range(len(self.branch_sizes))])
+        return offsets_of([self.actions_pad(d) for d in range(len(self.branch_sizes))])
 
     @property
     def q_width(self) -> int:
@@ -136,8 +137,8 @@ def make_plan(network, obs_dim: int, max_chunk: int | None = None) -> Plan:
     dtype)."""
     if max_chunk is None:
         max_chunk = MAX_CHUNK[network.dtype]
-    if max_chunk < _ALIGN or max_chunk & (max_chunk - 1):
-        raise ValueError(f"make_plan: max_chunk must be a power of two >= {_ALIGN}, "
+    if max_chunk < ALIGN or max_chunk & (max_chunk - 1):
+        raise ValueError(f"make_plan: max_chunk must be a power of two >= {ALIGN}, "
                          f"got {max_chunk}")
     return Plan(obs_dim=int(obs_dim), trunk=tuple(int(w) for w in network.trunk),
                 head=int(network.head), atoms=int(network.atoms),
@@ -158,7 +159,7 @@ def pack_params(params: Any, plan: Plan, dtype: str) -> dict:
     atom k of action a), ``adv{d}_out_b``. Bias and padding entries are exactly zero.
     """
     p = params["params"] if "params" in params else params
-    cd = _DTYPES[dtype]
+    cd = DTYPES[dtype]
     out = {}
 
     def dense(name, in_w, out_w):
@@ -259,9 +260,9 @@ def _dense(xs, in_sizes, blocks, name: str, out_sizes, cd, relu: bool, col0: int
     """
     precision = jax.lax.Precision.HIGHEST if cd == jnp.float32 else None
     outs = []
-    for o, s in zip(_offsets(out_sizes), out_sizes):
+    for o, s in zip(offsets_of(out_sizes), out_sizes):
         acc = None
-        for r, c, x in zip(_offsets(in_sizes), in_sizes, xs):
+        for r, c, x in zip(offsets_of(in_sizes), in_sizes, xs):
             w = blocks(name + "_w", (col0 + o, s), (r, c))
             y = jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
             acc = y if acc is None else acc + y
@@ -512,7 +513,7 @@ def _kernel(plan: Plan, cd, config: KernelConfig, with_q: bool, with_logits: boo
     blocks = read_blocks(plan, cd, config.layout, ops, x_ref.shape[0], config.lookahead)
     blocks.start()
     sizes = plan.chunks(plan.obs_dim)
-    xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(_offsets(sizes), sizes)]
+    xs = [x_ref[:, pl.ds(o, c)] for o, c in zip(offsets_of(sizes), sizes)]
     actions = forward_rows(plan, cd, config.layout, blocks, xs, z,
                            store_q if with_q else None, on_logits, on_action, greedy=greedy)
     for d, a in enumerate(actions):
@@ -582,7 +583,7 @@ def _run(params: Any, obs: jax.Array, network, support: jax.Array | None, with_q
                          f"{config.layout!r}")
     n, dim = obs.shape
     plan = make_plan(network, dim, config.max_chunk)
-    cd = _DTYPES[network.dtype]
+    cd = DTYPES[network.dtype]
     bm = block_rows_for(n, config)
     rows = -(-n // bm) * bm
     dp = plan.padded(dim)
@@ -741,5 +742,5 @@ __all__ = ["fused_q_forward", "fused_logits", "fused_act", "fused_bootstrap_loss
            "forward_rows", "pick_logits",
            "TakenLogits", "read_blocks", "launch",
            "apply_draws", "operand_names", "pack_params", "make_plan", "Plan", "KernelConfig",
-           "LAYOUTS", "chunks",
+           "LAYOUTS", "ALIGN", "DTYPES", "chunks", "offsets_of",
            "forward_flops"]

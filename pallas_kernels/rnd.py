@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.q_forward import _ALIGN, _offsets, chunks, launch
+from pallas_kernels.q_forward import ALIGN, chunks, launch, offsets_of
 from pallas_kernels.tuning import KernelConfig, block_rows_for, for_device, next_pow2
 
 _LAYERS = ("hidden_0", "hidden_1", "out")
@@ -41,7 +41,7 @@ MAX_WIDTH = 256
 
 def _pow2(n: int) -> int:
     """A hidden or embedding width padded: a power of two, at least Triton's smallest dot."""
-    return max(_ALIGN, next_pow2(n))
+    return max(ALIGN, next_pow2(n))
 
 
 def supports(hidden: int, embed: int) -> bool:
@@ -116,7 +116,7 @@ def _embed(x_pieces: list, spans: list[tuple[int, int]], refs) -> jax.Array:
 def _kernel(pieces: tuple[int, ...], x_ref, *refs):
     """``x_ref [BM, D_p]`` float32, the target's then the predictor's packed operands, then the
     output ``[BM]``: each row's summed squared embedding difference."""
-    spans = list(zip(_offsets(pieces), pieces))
+    spans = list(zip(offsets_of(pieces), pieces))
     x_pieces = [split_bf16(x_ref[:, pl.ds(o, c)]) for o, c in spans]
     target = _embed(x_pieces, spans, refs[:9])
     predicted = _embed(x_pieces, spans, refs[9:18])

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from foxhunt_jax.env import trading
-from pallas_kernels.q_forward import (_DTYPES, _offsets, TakenLogits, apply_draws, forward_rows,
-                                      launch, make_plan, operand_names, pack_params, read_blocks)
+from pallas_kernels.q_forward import (DTYPES, TakenLogits, apply_draws, forward_rows, launch,
+                                      make_plan, offsets_of, operand_names, pack_params,
+                                      read_blocks)
 from pallas_kernels.tuning import KernelConfig, block_rows_for, for_device
 
 P = trading.PORTFOLIO_DIM
@@ -90,7 +91,7 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
 
     def observe(state, port):
         xs = []
-        for o, c in zip(_offsets(sizes), sizes):
+        for o, c in zip(offsets_of(sizes), sizes):
             x = feat_ref[state.bar, pl.ds(o, c)]  # gather [BM, c]; the table is zero past F
             col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) + o
             for j in range(P):
@@ -227,7 +228,7 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
     n = state.bar.shape[0]
     dim = trading.obs_dim(env_params)
     plan = make_plan(network, dim, config.max_chunk)
-    cd = _DTYPES[network.dtype]
+    cd = DTYPES[network.dtype]
     nb = len(plan.branch_sizes)
     bm = block_rows_for(n, config)
     rows = -(-n // bm) * bm

@@ -30,9 +30,8 @@ from jax.flatten_util import ravel_pytree
 
 from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
-from pallas_kernels.q_forward import apply_draws
+from pallas_kernels.q_forward import DTYPES, apply_draws
 
-_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # f32-accurate GEMMs without TF32 (XLA's default f32 algorithm on Ampere+ GPUs keeps 10 mantissa
 # bits). F32_PRECISION splits each f32 operand into three bf16 parts and multiplies them on
 # tensor cores as six bf16 products with f32 accumulation: as accurate against float64 as true
@@ -110,9 +109,9 @@ class QNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, ...]:
-        if self.dtype not in _COMPUTE_DTYPES:
+        if self.dtype not in DTYPES:
             raise ConfigError(f"QNetwork dtype must be float32 or bfloat16, got {self.dtype!r}")
-        cd = _COMPUTE_DTYPES[self.dtype]
+        cd = DTYPES[self.dtype]
         h = jnp.asarray(obs, jnp.float32)
         for i, width in enumerate(self.trunk):
             h = nn.relu(Dense(width, cd, name=f"trunk_{i}")(h))
@@ -138,7 +137,7 @@ def make_network(net_cfg: NetworkConfig, branch_sizes: Sequence[int]) -> QNetwor
     # "auto" is made concrete per device by the run (foxhunt_jax.backend.resolve_config); a
     # network built from an unresolved config computes in float32
     dtype = "float32" if net_cfg.dtype == "auto" else net_cfg.dtype
-    if dtype not in _COMPUTE_DTYPES:
+    if dtype not in DTYPES:
         raise ConfigError(f"config key 'network.dtype' must be auto, float32 or bfloat16, got "
                           f"{net_cfg.dtype!r}")
     return QNetwork(branch_sizes=sizes, trunk=tuple(net_cfg.trunk), head=net_cfg.head,
