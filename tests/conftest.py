@@ -3,7 +3,8 @@ in-process runs of one config compile each program once per machine, and the exe
 (foxhunt_jax/jitcache.py), so that a program built again (another run of a config, a resume, the
 report's walks) skips tracing and lowering too. A test that takes ``monkeypatch`` runs without
 the executable cache: its keys cannot see a patched function (test_jitcache.py tests the cache
-itself)."""
+itself). A test whose patches change no function that a program traces (which programs are
+built, or host code around them) is marked ``patches_host_code_only`` and keeps the cache."""
 
 import os
 
@@ -25,9 +26,10 @@ _EXECUTABLES = jitcache.executable_cache_folder()
 @pytest.fixture(autouse=True)
 def executable_cache_unless_patched(request):
     """The executable cache as conftest set it, or off (also for the CLI, which turns it on in
-    its process, and for its subprocesses) in a test that takes ``monkeypatch``; set back after
-    every test."""
-    if "monkeypatch" in request.fixturenames:
+    its process, and for its subprocesses) in a test that takes ``monkeypatch``, unless it is
+    marked ``patches_host_code_only``; set back after every test."""
+    if ("monkeypatch" in request.fixturenames
+            and not request.node.get_closest_marker("patches_host_code_only")):
         patch = request.getfixturevalue("monkeypatch")
         patch.setenv("FOXHUNT_JAX_EXECUTABLE_CACHE", "off")
         jitcache.set_executable_cache(None)

@@ -180,6 +180,7 @@ def test_queued_experience_gives_the_same_epochs():
     assert trainer.pipeline.ahead is None and rec["epoch"] == 1
 
 
+@pytest.mark.patches_host_code_only  # pairs_rollouts picks programs, not what they compute
 def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
     """A queued epoch that runs Validation and the next Experience as one program gives the same
     numbers as the epochs run one phase at a time. (Pairing applies to the Pallas backend; the
@@ -232,6 +233,7 @@ def test_paired_validation_and_experience_give_the_same_epochs(monkeypatch):
         pipeline.program_key_config(off, "validation_experience")
 
 
+@pytest.mark.patches_host_code_only  # pairs_rollouts picks programs, not what they compute
 def test_paired_program_compiled_in_the_background_gives_the_same_epochs(monkeypatch):
     """With ``paired_in_background`` the first queued epochs run Validation alone while the
     paired program compiles in a thread; the epochs after it is taken up run it, and the
@@ -262,6 +264,7 @@ def test_paired_program_compiled_in_the_background_gives_the_same_epochs(monkeyp
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.patches_host_code_only  # pairs_rollouts picks programs, not what they compute
 def test_programs_compiled_beside_the_init_are_those_compiled_after_it(monkeypatch):
     """``init_and_compile`` compiles the phase programs from the abstract state while the state
     is built: every program's arguments describe the real state's exactly (shapes, dtypes,
@@ -292,6 +295,7 @@ def test_programs_compiled_beside_the_init_are_those_compiled_after_it(monkeypat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.patches_host_code_only  # pairs_rollouts picks programs; run_epoch is host code
 def test_train_queues_two_epochs_ahead_only_between_checkpoints(tmp_path, monkeypatch):
     """api.train queues the next epoch, and the one after it where rollouts are paired, only
     where no checkpoint falls in between; the records and checkpoints equal an unqueued run's."""
