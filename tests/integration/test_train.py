@@ -520,6 +520,7 @@ def test_a_walk_past_the_split_s_end_gives_the_split_s_own_walk(monkeypatch):
     jax.tree.map(np.testing.assert_array_equal, shared, alone)
 
 
+@pytest.mark.patches_host_code_only  # padded_size sets the tables' shapes, in the key
 def test_padded_tables_leave_the_epochs_unchanged(monkeypatch):
     """The env params' tables and starts padded to ``trading.padded_size``, or further to
     ``data.min_table_rows``, give the epochs that unpadded ones give, bit for bit."""
