@@ -17,6 +17,7 @@ import numpy as np
 
 from foxhunt_jax.version import __version__
 from foxhunt_jax.errors import ConfigError, FoxhuntError
+from foxhunt_jax.pystack import call_with_reserve
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -536,7 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args._help.print_help(sys.stderr)
         return 2
     try:
-        return int(run(args))
+        # the command's frames in one reserved stack chunk: its tracing does not pay CPython
+        # 3.11/3.12's chunk mapping at every call (foxhunt_jax.pystack)
+        return int(call_with_reserve(run, args))
     except FoxhuntError as err:
         message = " ".join(str(err).split("\n")).strip()
         print(f"error: {message}", file=sys.stderr)

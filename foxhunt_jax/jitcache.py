@@ -48,6 +48,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from foxhunt_jax.pystack import call_with_reserve
+
 from foxhunt_jax.files import write_atomic
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -372,9 +374,10 @@ def _capture_served_payloads() -> None:
 
 
 def _lower(make, args):
-    """``make().lower(*args)``, one thread at a time (:data:`_lowering`)."""
+    """``make().lower(*args)``, one thread at a time (:data:`_lowering`), its tracing in a
+    reserved stack chunk (:mod:`foxhunt_jax.pystack`)."""
     with _lowering:
-        return make().lower(*args)
+        return call_with_reserve(lambda: make().lower(*args))
 
 
 def _compile_watching_xla_cache(make, args):

@@ -13,14 +13,27 @@ os.environ.setdefault("FOXHUNT_JAX_CACHE", os.path.join(os.path.expanduser("~"),
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from _pytest.runner import runtestprotocol  # noqa: E402
 
 from foxhunt_jax import jitcache  # noqa: E402
+from foxhunt_jax.pystack import call_with_reserve  # noqa: E402
 
 jitcache.enable_compilation_cache()
 # every program the tests compile is stored, not only those over the library's 0.5 s: the suite
 # compiles hundreds of small ones (eager ops, parity checks) that a warm run then loads
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 _EXECUTABLES = jitcache.executable_cache_folder()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """pytest's own protocol (set-up, call, tear-down, each logged), run in a reserved stack
+    chunk (foxhunt_jax.pystack): the tests' tracing does not pay CPython 3.11's chunk mapping
+    at every call."""
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    call_with_reserve(runtestprotocol, item, nextitem=nextitem)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ imports (top-level and inside functions) of those packages is checked:
 * the module graph has no cycle.
 
 The foundation is the modules that import nothing of the library but ``errors``: ``errors``,
-``version``, ``parallel`` (mesh and shard-key helpers), ``jitcache`` and ``executable_codec``;
+``version``, ``parallel`` (mesh and shard-key helpers), ``jitcache``, ``executable_codec`` and
+``pystack``;
 ``config`` belongs to the data layer.
 """
 
@@ -30,7 +31,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("foxhunt_jax", "pallas_kernels")
 FOUNDATION = ("foxhunt_jax.errors", "foxhunt_jax.files", "foxhunt_jax.parallel",
-              "foxhunt_jax.jitcache", "foxhunt_jax.executable_codec", "foxhunt_jax.version")
+              "foxhunt_jax.jitcache", "foxhunt_jax.executable_codec", "foxhunt_jax.version",
+              "foxhunt_jax.pystack")
 # (layer, module prefixes), lowest first
 LAYERS = [
     ("foundation", FOUNDATION),
