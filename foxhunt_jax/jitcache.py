@@ -48,9 +48,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from foxhunt_jax.pystack import call_with_reserve
-
 from foxhunt_jax.files import write_atomic
+from foxhunt_jax.pystack import call_with_reserve
 
 _ROOT = Path(__file__).resolve().parent.parent
 # JAX settings that change what a program lowers to

@@ -2,10 +2,10 @@
 
 CPython 3.11 and 3.12 (and 3.13.0) keep a thread's Python frames in chunks of 16 KiB and give a
 chunk back to the system as soon as the frame that opened it returns. A loop whose calls land on
-a chunk's edge therefore maps and unmaps a chunk at every call: on the 2-core development machine
-about 11 µs a call against 0.06 µs (python/cpython#142183; later 3.13 and 3.14 releases keep one
-chunk). JAX's tracing and lowering run such loops at whatever depth they are called from, so any
-program that traces loses some of that time at random depths.
+a chunk's edge therefore maps and unmaps a chunk at every call, many times the call's own cost
+(python/cpython#142183; later 3.13 and 3.14 releases keep one chunk; measured in
+docs/performance.md, "The test suite's time"). JAX's tracing and lowering run such loops at
+whatever depth they are called from, so any program that traces meets such edges.
 
 :func:`call_with_reserve` runs a function under one frame that asks for more slots than half a
 MiB: CPython opens a chunk of 1 MiB for it, and every frame the function calls then lives in the

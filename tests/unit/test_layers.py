@@ -17,8 +17,7 @@ imports (top-level and inside functions) of those packages is checked:
 
 The foundation is the modules that import nothing of the library but ``errors``: ``errors``,
 ``version``, ``parallel`` (mesh and shard-key helpers), ``jitcache``, ``executable_codec`` and
-``pystack``;
-``config`` belongs to the data layer.
+``pystack``; ``config`` belongs to the data layer.
 """
 
 from __future__ import annotations
