@@ -4,7 +4,8 @@ One jitted function does a whole step:
 
     sample batch (prioritized) -> decode observations -> online(s), target(s'), online(s')
     -> per-sample C51 double-Q loss -> importance-weighted mean -> grads
-    -> optax chain(clip_by_global_norm, adam) on the raveled parameters
+    -> clip by the global norm and Adam (agent/optimizer.py), one pass a parameter
+       (writing a bfloat16 network's kernels in bfloat16 too, for the next step's forwards)
     -> target update (hard every M steps or Polyak)
     -> new priorities = per-sample loss -> RND predictor update on s'
 
@@ -32,9 +33,10 @@ from flax import struct
 
 from foxhunt_jax.agent import curiosity, replay
 from foxhunt_jax.agent.loss import c51_loss_and_edge_mass
-from foxhunt_jax.agent.network import (QNetwork, explore_actions, greedy_actions, init_params,
-                                       make_network, q_forward, support as make_support,
-                                       taken_logits)
+from foxhunt_jax.agent.network import (QNetwork, compute_params, explore_actions,
+                                       greedy_actions, init_params, make_network, q_forward,
+                                       support as make_support, taken_logits)
+from foxhunt_jax.agent.optimizer import clipped_adam
 from foxhunt_jax.config import Config, CuriosityConfig, NetworkConfig, ReplayConfig, TrainConfig
 from pallas_kernels.tuning import ReplaySearch
 
@@ -97,12 +99,10 @@ def make_learner(cfg: Config, branch_sizes: tuple[int, ...], *,
 
 def make_optimizer(train_cfg: TrainConfig, learning_rate=None) -> optax.GradientTransformation:
     """Global-norm clipping then Adam at ``learning_rate`` (default ``train.learning_rate``; a
-    traced ``[]`` array in a population program). Its state does not depend on the rate."""
+    traced ``[]`` array in a population program), :func:`~foxhunt_jax.agent.optimizer.clipped_adam`.
+    Its state does not depend on the rate."""
     rate = train_cfg.learning_rate if learning_rate is None else learning_rate
-    # optax.flatten: the chain runs on one raveled vector instead of 20 tensors, so the step
-    # launches far fewer kernels
-    return optax.flatten(optax.chain(optax.clip_by_global_norm(train_cfg.max_grad_norm),
-                                     optax.adam(rate, eps=train_cfg.adam_eps)))
+    return clipped_adam(rate, train_cfg.max_grad_norm, eps=train_cfg.adam_eps)
 
 
 def init_agent(key: jax.Array, learner: Learner, obs_dim: int) -> AgentState:
@@ -182,28 +182,55 @@ class Batch:
     weights: jax.Array
 
 
-def _update(learner: Learner, agent: AgentState, batch: Batch):
+METRICS = ("loss", "grad_norm", "rnd_loss", "support_edge_mass")  # a step's, float32 []
+
+
+def forward_copies(learner: Learner, agent: AgentState):
+    """``(online, target)``: the agent's networks as the forwards read them
+    (:func:`~foxhunt_jax.agent.network.compute_params`), or None for a float32 network, whose
+    forwards read the parameters themselves."""
+    if learner.network.dtype == "float32":
+        return None
+    return (compute_params(learner.network, agent.params),
+            compute_params(learner.network, agent.target_params))
+
+
+def _update(learner: Learner, agent: AgentState, batch: Batch, copies=None):
     """The update of one batch with its importance weights.
 
-    Returns the new agent, the per-sample losses ``[M]`` (the new priorities) and the metrics
+    ``copies``: :func:`forward_copies` of ``agent``, which the forwards then read and the
+    update writes anew beside the parameters (None: the forwards read the parameters; the
+    results are the same).
+
+    Returns the new agent, the per-sample losses ``[M]`` (the new priorities), the metrics
     (``loss``, ``grad_norm``, ``rnd_loss``, ``support_edge_mass``: the batch's mean share of
-    target probability clipped onto the support's edge atoms).
+    target probability clipped onto the support's edge atoms) and the new agent's copies (None
+    when ``copies`` is None).
     The loss is the weighted mean over the whole batch: when the batch is split over devices,
     XLA all-reduces the devices' partial gradients.
     """
     obs, next_obs, items, weights = batch.obs, batch.next_obs, batch.items, batch.weights
+    online, target = (agent.params, agent.target_params) if copies is None else copies
 
     def loss_fn(params):
-        losses, edge_mass = loss_and_edge_mass(learner, params, agent.target_params, obs,
-                                               next_obs, items["action"], items["reward"],
+        losses, edge_mass = loss_and_edge_mass(learner, params, target, obs, next_obs,
+                                               items["action"], items["reward"],
                                                items["discount"])
         return jnp.mean(weights * losses), (losses, edge_mass)
 
-    (loss, (losses, edge_mass)), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params)
+    (loss, (losses, edge_mass)), grads = jax.value_and_grad(loss_fn, has_aux=True)(online)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, agent.params)
     updates, opt_state = learner.optimizer.update(grads, agent.opt_state, agent.params)
     params = optax.apply_updates(agent.params, updates)
     step = agent.step + 1
     target_params = _update_target(learner, params, agent.target_params, step)
+    if copies is not None:
+        online = compute_params(learner.network, params)
+        if learner.train_cfg.target_update == "polyak":
+            target = compute_params(learner.network, target_params)
+        else:  # a hard copy moves the online copy itself
+            target = _update_target(learner, online, target, step)
+        copies = (online, target)
     rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
     if agent.rnd is not None:
         rnd, rnd_loss = curiosity.update(agent.rnd, next_obs)
@@ -212,7 +239,7 @@ def _update(learner: Learner, agent: AgentState, batch: Batch):
                "support_edge_mass": jnp.mean(edge_mass)}
     agent = AgentState(params=params, target_params=target_params, opt_state=opt_state, rnd=rnd,
                        step=step)
-    return agent, jax.lax.stop_gradient(losses), metrics
+    return agent, jax.lax.stop_gradient(losses), metrics, copies
 
 
 def sample_batch(learner: Learner, decode: Decode, buffer: replay.ReplayState, key: jax.Array,
@@ -240,15 +267,21 @@ def learn_batch(learner: Learner, agent: AgentState, buffer: replay.ReplayState,
                 batch: Batch) -> tuple[AgentState, replay.ReplayState, dict]:
     """The update from a :class:`Batch`; returns new agent, the buffer with the batch's new
     priorities, and the metrics."""
+    return _learn(learner, agent, buffer, batch)[:3]
+
+
+def _learn(learner: Learner, agent: AgentState, buffer: replay.ReplayState, batch: Batch,
+           copies=None):
+    """:func:`learn_batch` with the forwards' ``copies`` (:func:`_update`), also returned."""
     r = learner.replay_cfg
-    agent, losses, metrics = _update(learner, agent, batch)
+    agent, losses, metrics, copies = _update(learner, agent, batch, copies)
     if replay.num_shards(buffer) is None:
         buffer = replay.update_priorities(buffer, batch.indices, losses, r.alpha, r.priority_eps)
     else:
         buffer = replay.update_priorities_shards(buffer, batch.indices,
                                                  losses.reshape(batch.indices.shape), r.alpha,
                                                  r.priority_eps)
-    return agent, buffer, metrics
+    return agent, buffer, metrics, copies
 
 
 def learner_step(learner: Learner, decode: Decode, agent: AgentState, buffer: replay.ReplayState,
@@ -272,22 +305,29 @@ def train_steps(learner: Learner, decode: Decode, agent: AgentState, buffer: rep
     sets, not the backward or the optimizer, so in one iteration's program XLA runs the next
     draw beside the backward instead of after it: the draw is a chain of small kernels that no
     longer lies between one update and the next. The last
-    iteration's draw is not used.
+    iteration's draw is not used. The forwards read the networks' copies in the GEMMs' dtype
+    (:func:`forward_copies`), which each update writes beside the float32 parameters.
 
     ``buffer`` may be plain or sharded (see :func:`sample_batch`).
     """
     keys = jax.random.split(key, num_steps)
 
     def body(carry, k_next):
-        agent, buffer, batch = carry
-        agent, buffer, m = learn_batch(learner, agent, buffer, batch)
-        return (agent, buffer, sample_batch(learner, decode, buffer, k_next, beta)), m
+        agent, buffer, batch, sums, copies = carry
+        agent, buffer, m, copies = _learn(learner, agent, buffer, batch, copies)
+        sums = jax.tree.map(jnp.add, sums, m)
+        return (agent, buffer, sample_batch(learner, decode, buffer, k_next, beta), sums,
+                copies), None
 
     first = sample_batch(learner, decode, buffer, keys[0], beta)
     following = jnp.concatenate([keys[1:], keys[:1]])  # the last draw is discarded
-    (agent, buffer, _), ms = jax.lax.scan(body, (agent, buffer, first), following,
-                                          unroll=unroll)
-    return agent, buffer, jax.tree.map(jnp.mean, ms)
+    # The metrics are summed in the carry, not stacked per step: a stacked output is a
+    # dynamic-update-slice in the loop body, and one that fuses with no computation keeps XLA
+    # from capturing the loop in a CUDA graph (it then runs the steps one by one from the host).
+    zeros = {name: jnp.zeros((), jnp.float32) for name in METRICS}
+    carry = (agent, buffer, first, zeros, forward_copies(learner, agent))
+    (agent, buffer, _, sums, _), _ = jax.lax.scan(body, carry, following, unroll=unroll)
+    return agent, buffer, jax.tree.map(lambda total: total / num_steps, sums)
 
 
 def linear_schedule(start, end, span, epoch):

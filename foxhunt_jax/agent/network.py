@@ -144,6 +144,24 @@ def make_network(net_cfg: NetworkConfig, branch_sizes: Sequence[int]) -> QNetwor
                     atoms=net_cfg.atoms, dtype=dtype)
 
 
+def compute_params(network: QNetwork, params: Any) -> Any:
+    """``params`` with every Dense kernel in the network's GEMM input dtype: what its forward
+    reads (:class:`Dense` casts a kernel it is given in that dtype to itself). A float32
+    network's parameters are returned as they are.
+
+    The learner keeps these copies through its steps (the update writes them beside the
+    float32 parameters), so a step's forwards do not cast the kernels again; a gradient taken
+    with respect to them is the one taken through the cast (its transpose), in the kernels'
+    dtype.
+    """
+    dtype = DTYPES[network.dtype]
+    if dtype == jnp.float32:
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if getattr(path[-1], "key", None) == "kernel" else x,
+        params)
+
+
 def support(v_min: float, v_max: float, atoms: int) -> jax.Array:
     """Fixed C51 support ``z [K]``: ``atoms`` evenly spaced values from v_min to v_max."""
     return jnp.linspace(v_min, v_max, atoms, dtype=jnp.float32)
@@ -274,6 +292,6 @@ def param_count(params: Any) -> int:
 
 
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
-           "f32_precision", "make_network", "init_params", "support", "expected_q", "greedy_actions",
-           "explore_actions", "explore_draws", "apply_draws", "act", "q_forward", "select_action",
-           "taken_logits", "flatten_params", "param_count"]
+           "compute_params", "f32_precision", "make_network", "init_params", "support",
+           "expected_q", "greedy_actions", "explore_actions", "explore_draws", "apply_draws",
+           "act", "q_forward", "select_action", "taken_logits", "flatten_params", "param_count"]

@@ -44,6 +44,7 @@ from foxhunt_jax.training.phases import initial_state
 
 AGENTS = ("selected", "last")  # which of a run's agents: the one selected on validation, the last
 BAR_FIELDS = ("features", "open", "high", "low", "close", "sigma")
+PARAMS_PATH = "agent/params"  # the network's path in a trainer state's checkpoint layout
 # a step count never reached: no truncation, and no time barrier in the fill preview
 _NEVER = 2 ** 30
 
@@ -320,20 +321,23 @@ def restore_params(run_dir: Path, cfg: Config, learner: Learner, agent: str = "l
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     members = () if member is None else (cfg.train.population,)  # the member axis in front
-    target = jax.tree.map(lambda x: sds(members + x.shape, x.dtype, sharding=device), shape)
-    state, meta = checkpoint.restore(run_dir / "checkpoints", step, target)
+    target = jax.tree.map(lambda x: sds(members + x.shape, x.dtype, sharding=device),
+                          shape.agent.params)
+    # the network alone: acting does not depend on the optimizer's or the replay's layout
+    params, meta = checkpoint.restore(run_dir / "checkpoints", step, target,
+                                      prefix=PARAMS_PATH)
     if member is not None:
-        state = jax.tree.map(lambda x: x[member], state)
+        params = jax.tree.map(lambda x: x[member], params)
     epoch = int(np.asarray(meta.get("epoch", step)))
     if agent == "last":
-        return state.agent.params, epoch, "last", f"last agent (epoch {epoch})"
+        return params, epoch, "last", f"last agent (epoch {epoch})"
     selected_dir = run_dir / checkpoint.SELECTED_DIR
     if member is not None:
         selected_dir = selected_dir / f"member_{member}"
-    found = checkpoint.restore_selected(selected_dir, epoch, state.agent.params,
+    found = checkpoint.restore_selected(selected_dir, epoch, params,
                                         warn=warn or (lambda line: None))
     if found is None:
-        return (state.agent.params, epoch, "last", f"selected agent requested; the run records "
+        return (params, epoch, "last", f"selected agent requested; the run records "
                 f"none (it predates selection), so this is the last agent (epoch {epoch})")
     params, selected, chosen = found
     value = selected.get("value")

@@ -359,11 +359,14 @@ def latest_step(ckpt_dir: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple[Any, dict]:
+def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any,
+            prefix: str | None = None) -> tuple[Any, dict]:
     """Restores step ``step`` (None: the latest) into the structure of ``target``.
 
     ``target`` gives the tree structure, shapes, dtypes and shardings (a state built the same
-    way as the saved one; its values are not used). Returns ``(state, metadata)``. The step is
+    way as the saved one; its values are not used). ``prefix`` (e.g. ``"agent/params"``):
+    ``target`` is the saved subtree at that path, and only its layout must match; the rest of
+    the step is read but not checked or returned. Returns ``(state, metadata)``. The step is
     verified first (:func:`verify`); a damaged one raises :class:`DamagedCheckpoint`, a
     checkpoint of another state layout FoxhuntError.
     """
@@ -376,7 +379,7 @@ def restore(ckpt_dir: str | os.PathLike, step: int | None, target: Any) -> tuple
         raise FoxhuntError(f"no checkpoint of step {step} in {ckpt_dir} (have: {steps or 'none'})")
     verify(ckpt_dir, step)
     try:
-        return _restore(ckpt_dir, step, target)
+        return _restore(ckpt_dir, step, target, prefix)
     except (FoxhuntError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - whatever orbax or tensorstore raise on bad bytes
@@ -431,7 +434,16 @@ def restore_selected(selected_dir: str | os.PathLike, epoch: int, target: Any,
                        "checkpoint")
 
 
-def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any) -> tuple[Any, dict]:
+def _subtree(saved: list[dict], prefix: str | None) -> list[int]:
+    """Indices of the saved leaves at or under path ``prefix`` (None: all of them)."""
+    if prefix is None:
+        return list(range(len(saved)))
+    return [i for i, e in enumerate(saved)
+            if e["path"] == prefix or e["path"].startswith(prefix + "/")]
+
+
+def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any,
+             prefix: str | None = None) -> tuple[Any, dict]:
     import orbax.checkpoint as ocp
 
     leaves, layout, treedef = _layout(target)
@@ -439,8 +451,13 @@ def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any) -> tuple[Any, 
     try:
         saved = mgr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
         saved_layout, packs = saved["layout"]["leaves"], saved["layout"].get("packs", [])
-        _check_layout(saved_layout, layout, f"{ckpt_dir}/{step}")
-        targets = [_restore_target(leaf) for leaf in leaves]
+        wanted = _subtree(saved_layout, prefix)
+        strip = 0 if prefix is None else len(prefix) + 1
+        _check_layout([dict(saved_layout[i], path=saved_layout[i]["path"][strip:])
+                       for i in wanted], layout, f"{ckpt_dir}/{step}")
+        targets = dict(zip(wanted, map(_restore_target, leaves)))
+        targets = [targets[i] if i in targets else  # outside the subtree: read to the host
+                   np.zeros(e["shape"], np.dtype(e["dtype"])) for i, e in enumerate(saved_layout)]
         members = [[] for _ in packs]  # each pack's leaf indices, in the pack's order
         for i, entry in enumerate(saved_layout):
             if "pack" in entry:
@@ -459,8 +476,7 @@ def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any) -> tuple[Any, 
         pieces = _unpack(out["state"][f"pack_{j:03d}"], [saved_layout[i] for i in idx],
                          [targets[i] for i in idx])
         values.update(zip(idx, pieces))
-    restored = [_rebuild(values[i], leaf, entry)
-                for i, (leaf, entry) in enumerate(zip(leaves, saved_layout))]
+    restored = [_rebuild(values[i], leaf, saved_layout[i]) for i, leaf in zip(wanted, leaves)]
     return jax.tree_util.tree_unflatten(treedef, restored), out["metadata"]
 
 

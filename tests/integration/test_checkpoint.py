@@ -233,6 +233,30 @@ def test_layout_mismatch_is_one_line_error(tmp_path):
         ckpt.restore(tmp_path / "empty", None, {"a": jnp.ones((2, 3))})
 
 
+def test_a_subtree_restores_whatever_the_rest_of_the_layout(tmp_path):
+    """``prefix``: the network of a state whose optimizer was saved in another layout (the
+    moments raveled, as before agent/optimizer.py) restores; only the subtree is checked."""
+    state = make_state(2)
+    flat_moments = optax.flatten(optax.adam(1e-3)).init(state.params)
+    saved = {"agent": {"params": state.params, "opt_state": flat_moments},
+             "replay": jnp.arange(12.0).reshape(3, 4), "key": jax.random.key(3)}
+    ckpt.save(tmp_path, 4, saved, {"epoch": 4})
+    wanted = jax.tree.map(jnp.zeros_like, state.params)
+    params, meta = ckpt.restore(tmp_path, 4, wanted, prefix="agent/params")
+    chex.assert_trees_all_equal(params, state.params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(params, wanted)
+    assert meta["epoch"] == 4
+    with pytest.raises(FoxhuntError, match="holds"):  # the whole state: another layout
+        ckpt.restore(tmp_path, 4, {"agent": {"params": wanted,
+                                             "opt_state": optax.adam(1e-3).init(wanted)},
+                                   "replay": jnp.zeros((3, 4)), "key": jax.random.key(0)})
+    with pytest.raises(FoxhuntError, match="leaf 'head/kernel' has shape"):
+        ckpt.restore(tmp_path, 4, {**wanted, "head": {"kernel": jnp.zeros((7, 4))}},
+                     prefix="agent/params")
+    replay, _ = ckpt.restore(tmp_path, 4, jnp.zeros((3, 4)), prefix="replay")
+    np.testing.assert_array_equal(replay, np.arange(12.0).reshape(3, 4))
+
+
 def test_assert_finite_names_epoch_quantity_and_leaf():
     good = {"trunk_0": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)},
             "count": jnp.int32(3), "key": jax.random.key(0)}

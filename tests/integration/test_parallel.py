@@ -197,8 +197,8 @@ def test_sharded_learner_step_is_one_update_on_the_global_batch():
         drawn, idx, w = replay.sample_shards(buffer, key, 8, beta)
         flat = lambda x: x.reshape((-1,) + x.shape[2:])
         drawn = jax.tree.map(flat, drawn)
-        ref_agent, losses, ref_m = _update(learner, agent, Batch(*decode(drawn), drawn, idx,
-                                                                 flat(w)))
+        ref_agent, losses, ref_m, _ = _update(learner, agent, Batch(*decode(drawn), drawn, idx,
+                                                                    flat(w)))
         return (new_agent, new_buffer, m), (ref_agent, losses, ref_m, idx, flat(w))
 
     (a2, b2, m2), (ref_agent, losses, ref_m, idx, w) = run_once(both, items, raw, key)
