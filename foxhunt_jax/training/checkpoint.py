@@ -480,10 +480,14 @@ def _restore(ckpt_dir: str | os.PathLike, step: int, target: Any,
     return jax.tree_util.tree_unflatten(treedef, restored), out["metadata"]
 
 
+# what a layout that differs means: a checkpoint of another config, or of an older state layout
+_LAYOUT_CAUSE = "another configuration, or an earlier version of foxhunt-jax"
+
+
 def _check_layout(saved: list[dict], wanted: list[dict], where: str) -> None:
     if len(saved) != len(wanted):
         raise FoxhuntError(f"checkpoint {where} holds {len(saved)} arrays, this run's state has "
-                           f"{len(wanted)} (was the configuration changed?)")
+                           f"{len(wanted)} ({_LAYOUT_CAUSE})")
     for s, w in zip(saved, wanted):
         for field in ("path", "shape", "dtype", "kind"):
             # A jax leaf may come back as numpy and back; only PRNG keys must stay keys.
@@ -492,7 +496,7 @@ def _check_layout(saved: list[dict], wanted: list[dict], where: str) -> None:
             if s[field] != w[field]:
                 raise FoxhuntError(
                     f"checkpoint {where}: leaf '{s['path']}' has {field} {s[field]}, this run "
-                    f"expects {w[field]} (was the configuration changed?)")
+                    f"expects {w[field]} ({_LAYOUT_CAUSE})")
 
 
 @jax.jit
