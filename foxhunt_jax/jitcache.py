@@ -337,10 +337,58 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
 _HIT = "/jax/compilation_cache/cache_hits"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX ran XLA or read its cache
 # Held while a thread traces and lowers a program (Python work, under the GIL): programs
-# compiled in threads then lower one after another in the order their threads start, so the
-# first one's XLA compile (which releases the GIL) starts as soon as it alone is lowered
-# instead of when all of them are.
+# compiled in threads then lower one after another, so the first one's XLA compile (which
+# releases the GIL) starts as soon as it alone is lowered instead of when all of them are.
+# Which thread lowers first is the scheduler's choice unless a LoweringOrder sets it.
 _lowering = threading.RLock()
+
+
+class LoweringOrder:
+    """The order in which the threads of one compile lower their programs.
+
+    ``order.turn(i)`` is thread ``i``'s place (:func:`compile_cached`'s ``turn``): it lowers
+    once every earlier place has lowered or passed (loaded its program from the cache, or
+    failed), so the programs listed first, the longest compiles, start compiling first
+    whatever order the threads reach the lowering lock in.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._next = 0
+        self._passed: set[int] = set()
+
+    def turn(self, index: int) -> "Turn":
+        return Turn(self, index)
+
+    def _wait(self, index: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next >= index)
+
+    def _pass(self, index: int) -> None:
+        with self._changed:
+            self._passed.add(index)
+            while self._next in self._passed:
+                self._next += 1
+            self._changed.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """Place ``index`` of a :class:`LoweringOrder`: entering waits for it, leaving (or
+    :meth:`done`, which may be called again) hands the turn on."""
+
+    order: LoweringOrder
+    index: int
+
+    def __enter__(self) -> "Turn":
+        self.order._wait(self.index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done()
+
+    def done(self) -> None:
+        self.order._pass(self.index)
 _served = threading.local()  # .payloads: a list while this thread compiles through compile_cached
 _capture_lock = threading.Lock()
 
@@ -372,14 +420,14 @@ def _capture_served_payloads() -> None:
         jax_cache.extract_executable_and_time = capturing
 
 
-def _lower(make, args):
-    """``make().lower(*args)``, one thread at a time (:data:`_lowering`), its tracing in a
-    reserved stack chunk (:mod:`foxhunt_jax.pystack`)."""
-    with _lowering:
+def _lower(make, args, turn: Turn | None = None):
+    """``make().lower(*args)``, one thread at a time (:data:`_lowering`), at ``turn`` where
+    given, its tracing in a reserved stack chunk (:mod:`foxhunt_jax.pystack`)."""
+    with turn or contextlib.nullcontext(), _lowering:
         return call_with_reserve(lambda: make().lower(*args))
 
 
-def _compile_watching_xla_cache(make, args):
+def _compile_watching_xla_cache(make, args, turn: Turn | None = None):
     """``make().lower(*args).compile()`` and the bytes to store for it: ``None`` to store the
     executable's own serialization (XLA compiled it in this call: JAX ran its backend compile
     and its persistent cache did not serve it), the serialized executable JAX's persistent cache
@@ -404,7 +452,7 @@ def _compile_watching_xla_cache(make, args):
     monitoring.register_event_duration_secs_listener(on_duration)
     _served.payloads = payloads = []
     try:
-        compiled = _lower(make, args).compile()
+        compiled = _lower(make, args, turn).compile()
     finally:
         _served.payloads = None
         monitoring.unregister_event_listener(on_event)
@@ -469,7 +517,7 @@ def _store(path: Path, compiled, args, key: str, name: str, payload: bytes | Non
         warn(f"executable cache: not saving {name} ({type(e).__name__}: {str(e)[:200]})")
 
 
-def compile_cached(jitted, args: tuple, *, name: str, config: Any):
+def compile_cached(jitted, args: tuple, *, name: str, config: Any, turn: Turn | None = None):
     """``jitted.lower(*args).compile()``, through the executable cache when it is on.
 
     ``jitted`` may also be a function of no arguments that returns the jitted function, called
@@ -486,20 +534,31 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any):
     cannot describe.
     Off a single process (multi-host runs) the cache is not used: every process must compile
     the same collective program.
+
+    ``turn``: this program's place in a :class:`LoweringOrder` (programs compiled in threads),
+    handed on once it is lowered, loaded or has failed.
     """
+    try:
+        return _compile_cached(jitted, args, name, config, turn)
+    finally:
+        if turn is not None:
+            turn.done()
+
+
+def _compile_cached(jitted, args: tuple, name: str, config: Any, turn: Turn | None):
     import jax
 
     make = jitted if not hasattr(jitted, "lower") else (lambda: jitted)
     folder = _executables
     if folder is None or jax.process_count() > 1 or (
             folder.exists() and not _folder_trusted(folder)):
-        return _lower(make, args).compile(), False
+        return _lower(make, args, turn).compile(), False
     key = cache_key(name, config, args)
     path = entry_path(name, key)
     compiled, writable = _load(path, args, key)
     if compiled is not None:
         return compiled, True
-    compiled, payload = _compile_watching_xla_cache(make, args)
+    compiled, payload = _compile_watching_xla_cache(make, args, turn)
     if writable and payload is not False:
         _store(path, compiled, args, key, name, payload)
     return compiled, False

@@ -40,7 +40,7 @@ from foxhunt_jax.agent.value_range import resolve_trading
 from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config, member_config, population_members
 from foxhunt_jax.data.market import MarketData
-from foxhunt_jax.jitcache import compile_cached, jit
+from foxhunt_jax.jitcache import LoweringOrder, compile_cached, jit
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
 from foxhunt_jax.training.pipeline import (Ahead, Queued, QueuedEpoch, phase_times,
@@ -292,14 +292,15 @@ class PopulationTrainer:
         the single agent's (:meth:`~foxhunt_jax.training.pipeline.Pipeline.compile`)."""
         start = time.perf_counter()
         jitted = self.jitted_programs(state)
+        order = LoweringOrder()
 
-        def build(name):
+        def build(index, name):
             program, program_args = jitted[name]
             return compile_cached(program, program_args, name=f"population_{name}",
-                                  config=self.key_config)
+                                  config=self.key_config, turn=order.turn(index))
 
         with ThreadPoolExecutor(max_workers=len(jitted)) as pool:
-            built = dict(zip(jitted, pool.map(build, jitted)))
+            built = dict(zip(jitted, pool.map(build, range(len(jitted)), jitted)))
         self.programs = {name: compiled for name, (compiled, _) in built.items()}
         self.executables_loaded = sum(int(loaded) for _, loaded in built.values())
         self.compile_ms += (time.perf_counter() - start) * 1e3

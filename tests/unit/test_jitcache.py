@@ -476,3 +476,58 @@ def test_both_backends_share_the_training_program_and_its_key():
     assert keys["xla"]["training"] == keys["pallas"]["training"]
     assert keys["xla"]["experience"] != keys["pallas"]["experience"]
     assert keys["xla"]["validation"] != keys["pallas"]["validation"]
+
+
+def _threads_in_reverse(order, count, work):
+    """Runs ``work(i, order.turn(i))`` in ``count`` threads started last index first, each
+    later index sooner, and returns once all are done (a turn that never came would hang)."""
+    import threading
+    import time
+
+    def run(i):
+        time.sleep(0.05 * (count - 1 - i))  # the last index reaches its turn first
+        work(i, order.turn(i))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(count))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_threads_lower_their_programs_in_the_order_given(exe_dir, cache):
+    """A compile's threads lower in their LoweringOrder whatever order they reach it in, so the
+    program listed first (the longest compile) starts compiling first; a program the
+    executable cache serves, or whose tracing fails, hands its turn on."""
+    if not cache:
+        jitcache.set_executable_cache(None)  # the fixture puts it back
+    lowered, results = [], {}
+    x = jnp.arange(3.0)
+
+    def work(i, turn):
+        def make():
+            lowered.append(i)
+            if i == 1:
+                raise ValueError("this program does not trace")
+            return jax.jit(lambda v: v * (i + 1))
+        try:
+            results[i] = jitcache.compile_cached(make, (x,), name=f"ordered{i}", config={},
+                                                 turn=turn)
+        except ValueError:
+            results[i] = None
+
+    order = jitcache.LoweringOrder()
+    _threads_in_reverse(order, 4, work)
+    assert lowered == [0, 1, 2, 3]
+    assert results[1] is None
+    for i in (0, 2, 3):
+        compiled, loaded = results[i]
+        assert not loaded
+        np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) * (i + 1))
+    if cache:  # again: every program but the failing one comes from the cache
+        lowered.clear()
+        _threads_in_reverse(jitcache.LoweringOrder(), 4, work)
+        assert lowered == [1]
+        assert all(results[i][1] for i in (0, 2, 3))
