@@ -545,6 +545,30 @@ def compile_cached(jitted, args: tuple, *, name: str, config: Any, turn: Turn | 
             turn.done()
 
 
+def compile_programs(programs: dict, *, threads: bool = True) -> dict:
+    """:func:`compile_cached` of each ``{name: (jitted, args, config)}`` (cached under
+    ``name``) -> ``{name: (compiled, loaded)}``.
+
+    With ``threads`` each program compiles in a thread of its own (XLA's compiler and the
+    loading release the GIL) and they lower one at a time in the dict's order (a
+    :class:`LoweringOrder`), each compiling while the next lowers, so the programs listed first
+    start compiling first; without, one after another in that order.
+    """
+    def build(index, name, order):
+        jitted, args, config = programs[name]
+        return compile_cached(jitted, args, name=name, config=config,
+                              turn=order and order.turn(index))
+
+    if not threads:
+        return {name: build(i, name, None) for i, name in enumerate(programs)}
+    from concurrent.futures import ThreadPoolExecutor
+
+    order = LoweringOrder()
+    with ThreadPoolExecutor(max_workers=max(len(programs), 1)) as pool:
+        built = pool.map(lambda i, name: build(i, name, order), range(len(programs)), programs)
+        return dict(zip(programs, built))
+
+
 def _compile_cached(jitted, args: tuple, name: str, config: Any, turn: Turn | None):
     import jax
 

@@ -72,7 +72,7 @@ from foxhunt_jax import parallel
 from foxhunt_jax.agent.learner import AgentState, Learner
 from foxhunt_jax.backend import Backend
 from foxhunt_jax.config import Config
-from foxhunt_jax.jitcache import LoweringOrder, compile_cached, jit
+from foxhunt_jax.jitcache import compile_cached, compile_programs, jit
 from foxhunt_jax.training import phases
 from foxhunt_jax.training.collect import EnvAdapter
 from foxhunt_jax.training.phases import TrainerState
@@ -394,26 +394,16 @@ class Pipeline:
     def _compile(self, jitted: dict, threads: bool) -> tuple[float, int]:
         """Adds ``jitted`` (:meth:`jitted_programs`' form) to :attr:`programs`; returns the
         milliseconds it took and how many the executable cache served. With ``threads`` the
-        programs lower one at a time, in ``jitted``'s order (a :class:`~foxhunt_jax.jitcache.
-        LoweringOrder`), each compiling while the next lowers: that order puts the longest
-        compiles first. In a run of several
+        programs lower one at a time, in ``jitted``'s order, each compiling while the next lowers
+        (:func:`~foxhunt_jax.jitcache.compile_programs`): that order puts the longest compiles
+        first. In a run of several
         processes each then waits until every process has these programs
         (:func:`parallel.wait_for_all_processes`, not counted in the milliseconds), so that none
         starts a collective the others reach only after a longer compile."""
         start = time.perf_counter()
-        order = LoweringOrder() if threads else None
-
-        def build(index, name):
-            program, args = jitted[name]
-            return compile_cached(program, args, name=name,
-                                  config=program_key_config(self.cfg, name),
-                                  turn=order and order.turn(index))
-
-        if threads:
-            with ThreadPoolExecutor(max_workers=len(jitted)) as pool:
-                built = dict(zip(jitted, pool.map(build, range(len(jitted)), jitted)))
-        else:
-            built = {name: build(i, name) for i, name in enumerate(jitted)}
+        built = compile_programs({name: (program, args, program_key_config(self.cfg, name))
+                                  for name, (program, args) in jitted.items()},
+                                 threads=threads)
         self.programs.update({name: compiled for name, (compiled, _) in built.items()})
         ms = (time.perf_counter() - start) * 1e3
         parallel.wait_for_all_processes("compiled " + ",".join(jitted))

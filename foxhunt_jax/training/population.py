@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ from foxhunt_jax.agent.value_range import resolve_trading
 from foxhunt_jax.backend import Backend, resolve
 from foxhunt_jax.config import Config, member_config, population_members
 from foxhunt_jax.data.market import MarketData
-from foxhunt_jax.jitcache import LoweringOrder, compile_cached, jit
+from foxhunt_jax.jitcache import compile_cached, compile_programs, jit
 from foxhunt_jax.training import phases, validate
 from foxhunt_jax.training.phases import TrainerState
 from foxhunt_jax.training.pipeline import (Ahead, Queued, QueuedEpoch, phase_times,
@@ -292,15 +291,9 @@ class PopulationTrainer:
         the single agent's (:meth:`~foxhunt_jax.training.pipeline.Pipeline.compile`)."""
         start = time.perf_counter()
         jitted = self.jitted_programs(state)
-        order = LoweringOrder()
-
-        def build(index, name):
-            program, program_args = jitted[name]
-            return compile_cached(program, program_args, name=f"population_{name}",
-                                  config=self.key_config, turn=order.turn(index))
-
-        with ThreadPoolExecutor(max_workers=len(jitted)) as pool:
-            built = dict(zip(jitted, pool.map(build, range(len(jitted)), jitted)))
+        built = dict(zip(jitted, compile_programs(
+            {f"population_{name}": (program, program_args, self.key_config)
+             for name, (program, program_args) in jitted.items()}).values()))
         self.programs = {name: compiled for name, (compiled, _) in built.items()}
         self.executables_loaded = sum(int(loaded) for _, loaded in built.values())
         self.compile_ms += (time.perf_counter() - start) * 1e3

@@ -531,3 +531,24 @@ def test_threads_lower_their_programs_in_the_order_given(exe_dir, cache):
         _threads_in_reverse(jitcache.LoweringOrder(), 4, work)
         assert lowered == [1]
         assert all(results[i][1] for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_compile_programs_lowers_in_the_dict_s_order_and_keys_results_by_name(threads):
+    """compile_programs: each program compiled through compile_cached under its name, lowered
+    in the dict's order, the results keyed by name."""
+    jitcache.set_executable_cache(None)  # the autouse fixture puts it back
+    lowered, x = [], jnp.arange(3.0)
+
+    def make(i):
+        def fn():
+            lowered.append(i)
+            return jax.jit(lambda v: v * (i + 1))
+        return fn
+
+    built = jitcache.compile_programs({f"p{i}": (make(i), (x,), {}) for i in range(4)},
+                                      threads=threads)
+    assert lowered == [0, 1, 2, 3] and list(built) == ["p0", "p1", "p2", "p3"]
+    for i, (compiled, loaded) in enumerate(built.values()):
+        assert not loaded
+        np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) * (i + 1))
