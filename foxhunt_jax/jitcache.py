@@ -321,14 +321,20 @@ def _max_bytes() -> int:
 def evict(folder: Path, max_bytes: int) -> list[Path]:
     """Deletes the least recently used entries (oldest modification time; a load touches its
     entry) until the folder's entries take at most ``max_bytes``; returns what was deleted."""
-    entries = sorted([*folder.glob(f"*{ENTRY_SUFFIX}"), *folder.glob(f"*{_LEGACY_SUFFIX}")],
-                     key=lambda f: f.stat().st_mtime)
-    total = sum(f.stat().st_size for f in entries)
+    entries = []
+    for f in [*folder.glob(f"*{ENTRY_SUFFIX}"), *folder.glob(f"*{_LEGACY_SUFFIX}")]:
+        try:
+            st = f.stat()
+        except FileNotFoundError:  # another process sharing the folder evicted it meanwhile
+            continue
+        entries.append((st.st_mtime, st.st_size, f))
+    entries.sort(key=lambda e: e[0])
+    total = sum(size for _, size, _ in entries)
     gone = []
-    for f in entries:
+    for _, size, f in entries:
         if total <= max_bytes:
             break
-        total -= f.stat().st_size
+        total -= size
         f.unlink(missing_ok=True)
         gone.append(f)
     return gone

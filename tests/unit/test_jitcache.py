@@ -417,6 +417,28 @@ def test_least_recently_used_entries_are_evicted(tmp_path):
     assert jitcache.evict(tmp_path, 200) == []
 
 
+def test_eviction_skips_entries_another_process_removed_meanwhile(tmp_path, monkeypatch):
+    """Processes share the cache folder: an entry listed and then deleted by another one's
+    eviction is skipped, not an error that keeps a fresh program from being saved."""
+    import pathlib
+    import time
+
+    sfx = jitcache.ENTRY_SUFFIX
+    for i, name in enumerate(("a", "b")):
+        f = tmp_path / f"{name}{sfx}"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))  # a older
+    listed = pathlib.Path.glob
+
+    def glob_then_gone(self, pattern):  # "ghost" was listed, then removed by another process
+        found = list(listed(self, pattern))
+        return found + ([self / f"ghost{sfx}"] if pattern.endswith(sfx) else [])
+
+    monkeypatch.setattr(pathlib.Path, "glob", glob_then_gone)
+    assert jitcache.evict(tmp_path, 150) == [tmp_path / f"a{sfx}"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f"b{sfx}"]
+
+
 def test_cache_off_writes_nothing(tmp_path):
     jitcache.set_executable_cache(None)  # the autouse fixture puts it back
     c, loaded = jitcache.compile_cached(_tiny(), (jnp.ones((2, 3)), jnp.ones((3, 1))),
