@@ -304,10 +304,12 @@ class PopulationTrainer:
         record with ``member`` and ``seed``), and the validation returns per window ``[P, W]``
         under ``"window_returns"`` beside the phase times in ``"phase_ms"``.
 
-        ``queue_next``: also queue the next epoch's Experience and Training behind this epoch's
-        Validation, before the members' records are built on the host; the returned state is
-        then ahead, with the single-agent pipeline's rules (:mod:`.pipeline`: pass it to the
-        next ``run_epoch``, never checkpoint it).
+        ``queue_next``: also queue the next epoch's Experience, Training and Validation behind
+        this epoch's Validation, before the members' records are built on the host (a few dozen
+        milliseconds at P = 64, which then run beside the device's work instead of before the
+        next Validation can start); the returned state is then ahead, with the single-agent
+        pipeline's rules (:mod:`.pipeline`: pass it to the next ``run_epoch``, never checkpoint
+        it).
         """
         if not self.programs:
             self.compile(state)
@@ -317,19 +319,17 @@ class PopulationTrainer:
         else:
             start = time.perf_counter()
             state, queued = self._queue_learning(state)
-        paths, loss, validated = self.programs["validation"](
-            self.validation_env_params, self.window_starts, state.agent, self.hparams)
-        queued = queued._replace(validation=Queued((paths, loss),
-                                                   ready_clock((paths, loss, validated))))
+            queued = self._queue_validation(state, queued)
         if queue_next:  # queued after Validation, which reads `state` first
             state, following = self._queue_learning(state)
+            following = self._queue_validation(state, following)
         ms, validation_end = phase_times(start, queued)
         if queue_next:
             self._ahead = Ahead(state, following, since=validation_end)
         ms["init"], ms["compile"] = self.init_ms, self.compile_ms
         self.init_ms = self.compile_ms = 0.0
         ms["total"] = sum(ms.values())
-        self.validated_params = validated
+        paths, loss, self.validated_params = queued.validation.results
         stats, metrics, paths, loss = jax.device_get((queued.experience.results,
                                                       queued.training.results, paths, loss))
         records, returns = [], []
@@ -340,6 +340,13 @@ class PopulationTrainer:
             records.append({"member": i, "seed": self.seed(i), **rec})
             returns.append(window_returns(validate.equity_paths(pick(paths))["equity"]))
         return state, records, {"phase_ms": ms, "window_returns": np.stack(returns)}
+
+    def _queue_validation(self, state: TrainerState, queued: QueuedEpoch) -> QueuedEpoch:
+        """``queued`` with every member's Validation of ``state.agent`` queued behind it: its
+        results are the paths, the loss and a copy of the validated parameters."""
+        results = self.programs["validation"](self.validation_env_params, self.window_starts,
+                                              state.agent, self.hparams)
+        return queued._replace(validation=Queued(results, ready_clock(results)))
 
     def _queue_learning(self, state: TrainerState) -> tuple[TrainerState, QueuedEpoch]:
         """Queues every member's Experience and then Training; Validation is queued by the
