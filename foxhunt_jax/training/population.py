@@ -144,8 +144,9 @@ def member_devices(size: int, devices=None) -> list:
 
 
 def window_returns(equity: np.ndarray) -> np.ndarray:
-    """``[W]`` total return of each validation window from ``equity [W, L+1]`` (starting at 1)."""
-    return equity[:, -1] / equity[:, 0] - 1.0
+    """``[..., W]`` total return of each validation window from ``equity [..., W, L+1]``
+    (starting at 1)."""
+    return equity[..., -1] / equity[..., 0] - 1.0
 
 
 @dataclass
@@ -332,14 +333,17 @@ class PopulationTrainer:
         paths, loss, self.validated_params = queued.validation.results
         stats, metrics, paths, loss = jax.device_get((queued.experience.results,
                                                       queued.training.results, paths, loss))
-        records, returns = [], []
+        # every member's validation metrics from [P, ...] arrays in a few passes: one member at a
+        # time they took the host about as long as the device's queued epoch at P = 64
+        walks = validate.equity_paths(paths)
+        val = self.trainer.validation_metrics(walks)
+        records = []
         for i in range(self.size):
             pick = lambda tree: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
-            rec = self.member_trainer(i).epoch_record(pick(stats), pick(metrics), pick(paths),
-                                                      loss[i], dict(ms))
+            rec = self.member_trainer(i).epoch_record(pick(stats), pick(metrics), None, loss[i],
+                                                      dict(ms), val=val[i])
             records.append({"member": i, "seed": self.seed(i), **rec})
-            returns.append(window_returns(validate.equity_paths(pick(paths))["equity"]))
-        return state, records, {"phase_ms": ms, "window_returns": np.stack(returns)}
+        return state, records, {"phase_ms": ms, "window_returns": window_returns(walks["equity"])}
 
     def _queue_validation(self, state: TrainerState, queued: QueuedEpoch) -> QueuedEpoch:
         """``queued`` with every member's Validation of ``state.agent`` queued behind it: its

@@ -37,7 +37,8 @@ from foxhunt_jax.env.gymnax_task import TRADING
 from foxhunt_jax.errors import ConfigError
 from foxhunt_jax.jitcache import cache_key, compile_cached, jit
 from foxhunt_jax.training import validate
-from foxhunt_jax.training.metrics import evaluation_results, trading_metrics
+from foxhunt_jax.training.metrics import (evaluation_results, trading_metrics,
+                                          trading_metrics_of_runs)
 from foxhunt_jax.training.phases import (TRADING_ADAPTER, TrainerState, initial_agent,
                                          initial_state)
 from foxhunt_jax.training.pipeline import (EpochResults, Pipeline, ProgramInputs,
@@ -251,14 +252,25 @@ class Trainer:
         return self.epoch_record(results.experience_stats, results.training_metrics,
                                  results.validation_paths, results.validation_loss, phase_ms)
 
-    def epoch_record(self, collected: dict, learned: dict, validation_paths: dict,
-                     validation_loss, phase_ms: dict) -> dict:
+    def epoch_record(self, collected: dict, learned: dict, validation_paths: dict | None,
+                     validation_loss, phase_ms: dict, val: dict | None = None) -> dict:
         """An epoch's metrics record from its host results: the Experience stats, Training
-        metrics, Validation paths ``[L, W]`` and loss (one population member's, too)."""
+        metrics, Validation paths ``[L, W]`` and loss (one population member's, too). ``val``:
+        the paths' metrics where the caller computed them already (a population's members, all
+        at once by :meth:`validation_metrics`); the paths are then not read."""
+        if val is None:
+            val = self._metrics(validate.equity_paths(validation_paths))
         return dict(self.learning_fields(collected, learned, phase_ms),
-                    val_loss=float(validation_loss),
-                    val=self._metrics(validate.equity_paths(validation_paths)),
+                    val_loss=float(validation_loss), val=val,
                     val_buy_and_hold=self._validation_buy_and_hold_metrics())
+
+    def validation_metrics(self, paths: dict) -> list[dict]:
+        """The trading metrics of ``R`` runs' validation walks at once: ``paths`` as
+        :func:`~foxhunt_jax.training.validate.equity_paths` gives them with a leading ``[R]``
+        (``equity [R, W, L+1]``, ...); one dict a run, each equal to what :meth:`epoch_record`
+        computes for that run alone up to float rounding."""
+        return trading_metrics_of_runs(paths["equity"], paths["exposure"], paths["trades"],
+                                       self.market.bars_per_year, turnover=paths["turnover"])
 
     def learning_fields(self, collected: dict, learned: dict, phase_ms: dict) -> dict:
         """The fields every env's epoch record shares: the epoch, its env steps and phase times,

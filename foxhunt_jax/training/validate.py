@@ -224,12 +224,14 @@ def validation_loss(learner: Learner, backend: Backend, params, target_params, e
 
 def equity_paths(traj) -> dict:
     """[W, L+1] equity starting at 1; [W, L] exposure, traded flags (the chosen trades), trades
-    (every fill: chosen trades and barrier or ruin exits) and turnover, as host NumPy."""
-    eq = np.asarray(traj["equity"], np.float64).T
-    eq = np.concatenate([np.ones((eq.shape[0], 1)), eq], axis=1)
-    return {"equity": eq, "exposure": np.asarray(traj["exposure"], np.float64).T,
-            "traded": np.asarray(traj["traded"]).T, "trades": np.asarray(traj["fills"]).T,
-            "turnover": np.asarray(traj["turnover"], np.float64).T}
+    (every fill: chosen trades and barrier or ruin exits) and turnover, as host NumPy. Leading
+    axes (a population's ``[P, L, W]`` paths) stay in front: ``[P, W, L+1]`` and so on."""
+    walks = lambda x, dtype=None: np.swapaxes(np.asarray(x, dtype), -1, -2)  # noqa: E731
+    eq = walks(traj["equity"], np.float64)
+    eq = np.concatenate([np.ones(eq.shape[:-1] + (1,)), eq], axis=-1)
+    return {"equity": eq, "exposure": walks(traj["exposure"], np.float64),
+            "traded": walks(traj["traded"]), "trades": walks(traj["fills"]),
+            "turnover": walks(traj["turnover"], np.float64)}
 
 
 def walk_paths(walks: dict) -> dict:

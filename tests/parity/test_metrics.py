@@ -9,7 +9,8 @@ import pytest
 
 from foxhunt_jax.training.metrics import (ACTIVITY_KEYS, METRIC_KEYS, beat_percentile,
                                           beat_percentiles, max_drawdowns, metric_percentiles,
-                                          portfolio_by_date, portfolio_metrics, trading_metrics)
+                                          portfolio_by_date, portfolio_metrics, trading_metrics,
+                                          trading_metrics_of_runs)
 
 
 def loop_metrics(equity, exposure, trades, bars_per_year):
@@ -155,6 +156,40 @@ def test_random_paths_match_loop(seed):
     bpy = float(rng.uniform(50, 10000))
     got = trading_metrics(equity, exposure, trades, bpy)
     assert_metrics_close(got, loop_metrics(equity, exposure_ref, trades, bpy))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_at_once_equal_each_run_alone(seed):
+    """trading_metrics_of_runs (a population's members, random policies) is trading_metrics of
+    each run, up to float rounding: NaN-padded windows, both trade layouts, turnover given or
+    derived, a run with no valid bar beside runs with many."""
+    rng = np.random.default_rng(100 + seed)
+    runs, w, t = int(rng.integers(1, 7)), int(rng.integers(1, 5)), int(rng.integers(2, 30))
+    r = rng.normal(0.0005, 0.02, (runs, w, t))
+    equity = np.concatenate([np.ones((runs, w, 1)), np.cumprod(np.exp(r), axis=2)], axis=2)
+    equity *= rng.uniform(0.5, 2.0, (runs, w, 1))
+    ends = rng.integers(1, t + 1, (runs, w))
+    equity[np.arange(t + 1)[None, None, :] > ends[..., None]] = np.nan
+    equity[0, :, 1:] = np.nan  # the first run has no valid bar at all
+    exposure = rng.choice([-1.0, 0.0, 0.5, 1.0], (runs, w, t))
+    exposure[rng.random((runs, w, t)) < 0.1] = np.nan
+    trades = rng.integers(0, 3, (runs, w, t)) if seed % 2 else rng.integers(0, 9, (runs, w))
+    turnover = rng.uniform(0.0, 1.0, (runs, w, t)) if seed % 3 == 0 else None
+    bpy = float(rng.uniform(50, 10000))
+    got = trading_metrics_of_runs(equity, exposure, trades, bpy, turnover=turnover)
+    assert len(got) == runs
+    for i in range(runs):
+        alone = trading_metrics(equity[i], exposure[i], trades[i], bpy,
+                                turnover=None if turnover is None else turnover[i])
+        assert_metrics_close(got[i], alone, rtol=1e-12)
+    assert got[0]["bars"] == 0 and got[0]["sharpe"] == 0.0
+
+
+def test_runs_at_once_reject_a_mismatched_run_axis():
+    with pytest.raises(ValueError, match="must be"):
+        trading_metrics_of_runs(np.ones((2, 3, 5)), np.zeros((3, 4)), np.zeros((2, 3)), 252.0)
+    with pytest.raises(ValueError, match="trades shape"):
+        trading_metrics_of_runs(np.ones((2, 3, 5)), np.zeros((2, 3, 4)), np.zeros((3, 3)), 252.0)
 
 
 def test_max_drawdown_ignores_padding_and_later_values():
