@@ -290,15 +290,15 @@ def portfolio_metrics(portfolio: dict, paths: dict, bars_per_year: float) -> dic
     e, x, tr = portfolio["equity"], portfolio["exposure"], portfolio["trades"]
     k, (w, n) = e.shape[-1], paths["equity"].shape[-2:]
     flat = lambda a, shape: np.reshape(a, (-1,) + shape)  # noqa: E731
-    out = []
-    for curve, held, traded, pe, px, pt, pu in zip(
-            flat(e, (k,)), flat(x, (k - 1,)), flat(tr, (k - 1,)),
-            flat(paths["equity"], (w, n)), flat(paths["exposure"], (w, n - 1)),
-            flat(paths["trades"], (w, n - 1)), flat(paths["turnover"], (w, n - 1))):
-        metrics = trading_metrics(curve, held, traded, bars_per_year)
-        pooled = trading_metrics(pe, px, pt, bars_per_year, turnover=pu)
-        out.append({key: pooled[key] if key in ACTIVITY_KEYS else value
-                    for key, value in metrics.items()})
+    # every portfolio's curve and pooled walks at once (a random policy band has hundreds)
+    curves = trading_metrics_of_runs(flat(e, (1, k)), flat(x, (1, k - 1)), flat(tr, (1, k - 1)),
+                                     bars_per_year)
+    pooled = trading_metrics_of_runs(
+        flat(paths["equity"], (w, n)), flat(paths["exposure"], (w, n - 1)),
+        flat(paths["trades"], (w, n - 1)), bars_per_year,
+        turnover=flat(paths["turnover"], (w, n - 1)))
+    out = [{key: walks[key] if key in ACTIVITY_KEYS else value for key, value in curve.items()}
+           for curve, walks in zip(curves, pooled)]
     return out[0] if e.ndim == 1 else out
 
 
