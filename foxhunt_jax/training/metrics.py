@@ -50,9 +50,8 @@ from typing import Sequence
 import numpy as np
 
 ZERO_RISK = 1e-12  # below this a std / drawdown counts as zero (the Sharpe ratio is then 0)
-# Runs whose metrics one pass of array operations computes: a population's 64 members at once
-# were slower on a 2-core CPU than one at a time (their arrays outgrow the caches), eight at a
-# time about half as long as one at a time.
+# Runs whose metrics one pass of array operations computes: more at once outgrow the CPU's
+# caches and run slower (docs/performance.md, "The host's records off the device's path").
 RUNS_AT_ONCE = 8
 _EQUITY_FLOOR = 1e-12  # fraction of initial equity used in place of a non-positive equity
 

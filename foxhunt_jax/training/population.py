@@ -306,11 +306,10 @@ class PopulationTrainer:
         under ``"window_returns"`` beside the phase times in ``"phase_ms"``.
 
         ``queue_next``: also queue the next epoch's Experience, Training and Validation behind
-        this epoch's Validation, before the members' records are built on the host (a few dozen
-        milliseconds at P = 64, which then run beside the device's work instead of before the
-        next Validation can start); the returned state is then ahead, with the single-agent
-        pipeline's rules (:mod:`.pipeline`: pass it to the next ``run_epoch``, never checkpoint
-        it).
+        this epoch's Validation, before the members' records are built on the host (so the
+        device works while the host builds them); the returned state is then ahead, with the
+        single-agent pipeline's rules (:mod:`.pipeline`: pass it to the next ``run_epoch``,
+        never checkpoint it).
         """
         if not self.programs:
             self.compile(state)
@@ -333,8 +332,8 @@ class PopulationTrainer:
         paths, loss, self.validated_params = queued.validation.results
         stats, metrics, paths, loss = jax.device_get((queued.experience.results,
                                                       queued.training.results, paths, loss))
-        # every member's validation metrics from [P, ...] arrays in a few passes: one member at a
-        # time they took the host about as long as the device's queued epoch at P = 64
+        # every member's validation metrics from [P, ...] arrays in a few passes, so that the
+        # host's records stay shorter than the device's queued epoch (docs/performance.md)
         walks = validate.equity_paths(paths)
         val = self.trainer.validation_metrics(walks)
         records = []
