@@ -61,6 +61,12 @@ class Learner:
     ``replay_search``: how the replay's slot search runs (:func:`replay.sample`), a shape of
     the device (``Backend.tuning.replay``); the default is right on every device, only slower
     on a GPU.
+
+    ``target_copy``: how a hard target update is written, with the same result. ``"select"``
+    reads and writes every parameter at every step; ``"conditional"`` only at a copy step, but
+    on a GPU a conditional in the learner's loop lengthens each step (docs/performance.md), so
+    only a population, whose parameters are P times larger and whose members share one step
+    counter (:func:`~foxhunt_jax.training.population.population_training`), uses it.
     """
 
     network: QNetwork
@@ -70,6 +76,7 @@ class Learner:
     replay_cfg: ReplayConfig
     curiosity_cfg: CuriosityConfig
     replay_search: ReplaySearch = ReplaySearch()
+    target_copy: str = "select"
 
     @property
     def support(self) -> jax.Array:
@@ -157,10 +164,16 @@ def loss_and_edge_mass(learner: Learner, params, target_params, obs, next_obs, a
 
 
 def _update_target(learner: Learner, params, target_params, step):
+    """The target network after learner step ``step``: a Polyak average, or ``params`` itself
+    every ``target_period`` steps, by :attr:`Learner.target_copy`. ``params`` and
+    ``target_params`` may be any matching trees (the networks and their compute copies
+    together)."""
     t = learner.train_cfg
     if t.target_update == "polyak":
         return optax.incremental_update(params, target_params, t.polyak_tau)
     copy = (step % t.target_period) == 0
+    if learner.target_copy == "conditional":
+        return jax.lax.cond(copy, lambda: params, lambda: target_params)
     return jax.tree.map(lambda p, q: jnp.where(copy, p, q), params, target_params)
 
 
@@ -223,13 +236,16 @@ def _update(learner: Learner, agent: AgentState, batch: Batch, copies=None):
     updates, opt_state = learner.optimizer.update(grads, agent.opt_state, agent.params)
     params = optax.apply_updates(agent.params, updates)
     step = agent.step + 1
-    target_params = _update_target(learner, params, agent.target_params, step)
-    if copies is not None:
+    if copies is None:
+        target_params = _update_target(learner, params, agent.target_params, step)
+    else:
         online = compute_params(learner.network, params)
         if learner.train_cfg.target_update == "polyak":
+            target_params = _update_target(learner, params, agent.target_params, step)
             target = compute_params(learner.network, target_params)
-        else:  # a hard copy moves the online copy itself
-            target = _update_target(learner, online, target, step)
+        else:  # a hard copy moves the online copy with the parameters, in one conditional
+            target_params, target = _update_target(learner, (params, online),
+                                                   (agent.target_params, target), step)
         copies = (online, target)
     rnd, rnd_loss = agent.rnd, jnp.zeros((), jnp.float32)
     if agent.rnd is not None:

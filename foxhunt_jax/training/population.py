@@ -113,9 +113,18 @@ def population_experience(learner, backend, cfg, train_env_params, state, schedu
 
 
 def population_training(learner, cfg, train_env_params, state, schedules, hparams):
-    """:func:`~foxhunt_jax.training.phases.training` of every member; metrics ``[P]``."""
+    """:func:`~foxhunt_jax.training.phases.training` of every member; metrics ``[P]``.
+
+    The members take their learner steps in lockstep, so their step counters are equal and
+    each reads the first's: with that step unbatched, the hard target copy stays a conditional
+    (:attr:`~foxhunt_jax.agent.learner.Learner.target_copy`) that writes the P networks only
+    at a copy step, where a select would read and write them at every step."""
+    step = state.agent.step[0]
+    learner = dataclasses.replace(learner, target_copy="conditional")
+
     def one(state, schedule, hp):
         member, params = member_view(learner, hp, train_env_params)
+        state = state.replace(agent=state.agent.replace(step=step))
         return phases.training(member, cfg, params, state, schedule)
     return jax.vmap(one)(state, schedules, hparams)
 

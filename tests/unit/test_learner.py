@@ -1,6 +1,8 @@
 """Learner step: the loss falls on a fixed batch; on a small deterministic MDP with known returns
 the expected Q converges to the true values (within 2%); schedules and epsilon-greedy."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -146,6 +148,51 @@ def test_pipelined_train_steps_equal_sequential_learner_steps(shards, dtype, tar
     want = jax.jit(sequential)(agent, buf, key)
     assert int(got[0].step) == k
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("target_copy", ["select", "conditional"])
+def test_hard_target_copies_the_online_network_every_period_and_only_then(target_copy):
+    """After step s the target network is the online network of the last step that is a
+    multiple of ``target_period`` (the initial copy before any), bitwise, and unchanged between
+    copies; vmapped members at different steps each copy at their own. Both forms of the
+    copy."""
+    period, k = 3, 8
+    cfg = _cfg("train.target_period=3", "replay.alpha=0.6")
+    learner = dataclasses.replace(make_learner(cfg, (3, 2)), target_copy=target_copy)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    d, n = 6, 32
+    items = random_transitions(rng, n, d, (3, 2))
+    buf = replay.add(replay.init(jax.tree.map(lambda x: x[0], items), 64), items,
+                     rng.gamma(1.0, 1.0, n).astype(np.float32), 0.6)
+    agent = init_agent(jax.random.PRNGKey(int(rng.integers(2**31))), learner, d)
+    decode = lambda it: (it["obs"], it["next_obs"])  # noqa: E731
+    step = jax.jit(lambda a, b, kk: learner_step(learner, decode, a, b, kk, jnp.float32(0.5)))
+    copied = agent.params
+    for s, kk in enumerate(jax.random.split(jax.random.PRNGKey(int(rng.integers(2**31))), k), 1):
+        before = agent.target_params
+        agent, buf, _ = step(agent, buf, kk)
+        assert int(agent.step) == s
+        if s % period == 0:
+            copied = agent.params
+        else:
+            chex.assert_trees_all_equal(agent.target_params, before)
+        chex.assert_trees_all_equal(agent.target_params, copied)
+    # vmapped members at different steps: each copies at its own step, as it would alone
+    members = jax.tree.map(lambda x: jnp.stack([x, x * 0.5 if jnp.issubdtype(x.dtype, jnp.floating)
+                                                else x]), agent)
+    members = members.replace(step=members.step + jnp.array([0, 1], jnp.int32))
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    got = jax.jit(jax.vmap(lambda a, kk: step(a, buf, kk)[0]))(members, keys)
+    copies = [int(s) % period == 0 for s in got.step]
+    assert sorted(copies) == [False, True], got.step
+    for i in range(2):
+        alone = step(jax.tree.map(lambda x: x[i], members), buf, keys[i])[0]
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], got), alone, rtol=1e-6,
+                                    atol=1e-7)
+        member = jax.tree.map(lambda x: x[i], got)
+        want = member.params if copies[i] else jax.tree.map(lambda x: x[i],
+                                                            members.target_params)
+        chex.assert_trees_all_equal(member.target_params, want)
 
 
 def test_schedules():
