@@ -201,6 +201,6 @@ def tables_at(instruments: Sequence[Instrument], at, stats: dict, run: str) -> l
             for ins, c in zip(instruments, cut)]
 
 
-__all__ = ["tables_at", "STATISTICS_FILE", "data_columns", "volume_coverage", "statistics_of", "write_statistics",
-           "run_statistics", "as_instruments", "check_data", "bar_table", "parse_timestamp",
-           "truncate_at"]
+__all__ = ["tables_at", "STATISTICS_FILE", "data_columns", "volume_coverage", "statistics_of",
+           "write_statistics", "run_statistics", "as_instruments", "check_data", "bar_table",
+           "parse_timestamp", "truncate_at"]

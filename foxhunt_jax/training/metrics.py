@@ -340,8 +340,8 @@ def evaluation_results(paths: dict, random_paths: dict, bar_dates: Sequence[np.n
 
     Args:
       paths: policy name -> per-instrument paths (``equity [W, L+1]``, ``exposure``,
-        ``trades`` (fills a bar) and ``turnover`` ``[W, L]``) of the deterministic policies; ``agent`` among them (``flat`` gets no
-        per-instrument metrics).
+        ``trades`` (fills a bar) and ``turnover`` ``[W, L]``) of the deterministic policies;
+        ``agent`` among them (``flat`` gets no per-instrument metrics).
       random_paths: the same with a leading axis ``[P, ...]``: ``P`` random policies.
       bar_dates, instruments: each walk's mark dates (:func:`portfolio_by_date`) and name.
       bars_per_year: annualization factor.

@@ -129,8 +129,8 @@ def training(learner: Learner, cfg: Config, train_env_params, state: TrainerStat
     ``schedule``: as in :func:`experience`; beta follows ``state.epoch``. Returns ``(state,
     metrics)``: the updated agent and replay priorities, a new key, ``epoch + 1``; ``metrics``
     holds ``[]`` arrays: the learner's means over the K steps (``loss``, ``grad_norm``,
-    ``rnd_loss``, ``support_edge_mass``), ``finite_params`` and ``finite_opt_state`` (bool), ``beta`` and ``epoch``
-    (the new count).
+    ``rnd_loss``, ``support_edge_mass``), ``finite_params`` and ``finite_opt_state`` (bool),
+    ``beta`` and ``epoch`` (the new count).
     """
     beta = beta_from(schedule, state.epoch)
     key, sample_key = jax.random.split(state.key)
