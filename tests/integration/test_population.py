@@ -37,7 +37,9 @@ def leaves(tree):
 
 
 def test_each_member_trains_as_its_single_agent_run():
-    cfg = tiny("train.population=2", 'population.grid=["train.learning_rate=1e-4,1e-3"]',
+    # hard target copies at steps 2, 4 and 6: the members' shared step and its conditional
+    cfg = tiny("train.population=2", "train.target_period=2",
+               'population.grid=["train.learning_rate=1e-4,1e-3"]',
                'population.random=["train.gamma=0.8..0.99", "env.cost_bps=0..20", '
                '"curiosity.coef=0.001..0.1:log", "train.n_step=1..5", '
                '"train.epsilon_end=0.0..0.2"]')
@@ -53,8 +55,8 @@ def test_each_member_trains_as_its_single_agent_run():
         s = single.init_state()
         for _ in range(2):
             s, rec = single.run_epoch(s)
-        member = jax.tree.map(lambda x: x[i], state.agent.params)
-        for a, b in zip(leaves(s.agent.params), leaves(member)):
+        member = jax.tree.map(lambda x: x[i], (state.agent.params, state.agent.target_params))
+        for a, b in zip(leaves((s.agent.params, s.agent.target_params)), leaves(member)):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
         np.testing.assert_allclose(rec["loss"], records[i]["loss"], rtol=1e-4)
         np.testing.assert_allclose(rec["val_loss"], records[i]["val_loss"], rtol=1e-4)
