@@ -205,9 +205,10 @@ def _count_at_or_below(cum: jax.Array, u: jax.Array, count_max: int = 0) -> jax.
     ``searchsorted(cum, u, side="right")`` as ``[M]`` int32.
 
     Up to ``count_max`` pairs (``ReplaySearch.count_max``), one ``[M, k]`` compare-and-count:
-    one kernel, where a binary search is ~log2(k) small dependent ones, which pays on a GPU. Otherwise an unrolled binary search (the while-loop form costs a
-    launch per step on a GPU), which a CPU, where the work counts rather than the launches,
-    runs faster. Both give the same counts.
+    one kernel, where a binary search is ~log2(k) small dependent ones, which pays on a GPU.
+    Otherwise an unrolled binary search (the while-loop form costs a launch per step on a GPU),
+    which a CPU, where the work counts rather than the launches, runs faster. Both give the
+    same counts.
     """
     if u.shape[0] * cum.shape[0] <= count_max:
         return jnp.sum(cum[None, :] <= u[:, None], axis=1, dtype=jnp.int32)

@@ -269,7 +269,8 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
     Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool:
     the chosen exposure differs from the held one), fill_price (the chosen trade's executed
     price, else 0), exit_price (executed price of a barrier or ruin exit, else 0), barrier
-    (int32 code), fills (int32: the chosen trade plus an exit, 0..2) and turnover (the nominal exposure those fills moved, a fraction of equity).
+    (int32 code), fills (int32: the chosen trade plus an exit, 0..2) and turnover (the nominal
+    exposure those fills moved, a fraction of equity).
 
     This is the single definition of the step's rules: :func:`step_env` calls it for one episode
     and the fused rollout kernel (``pallas_kernels/rollout.py``) for a block of episodes, with
