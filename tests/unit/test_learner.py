@@ -107,19 +107,21 @@ def test_loss_falls_on_fixed_batch():
     assert set(metrics) >= {"loss", "grad_norm", "rnd_loss"}
 
 
-@pytest.mark.parametrize("shards,dtype,target", [(None, "float32", "hard"),
-                                                  (2, "float32", "hard"),
-                                                  (None, "bfloat16", "hard"),
-                                                  (2, "bfloat16", "polyak")])
-def test_pipelined_train_steps_equal_sequential_learner_steps(shards, dtype, target):
+@pytest.mark.parametrize("shards,dtype,target,copy", [(None, "float32", "hard", "select"),
+                                                       (2, "float32", "hard", "select"),
+                                                       (None, "bfloat16", "hard", "select"),
+                                                       (None, "bfloat16", "hard", "conditional"),
+                                                       (2, "bfloat16", "polyak", "select")])
+def test_pipelined_train_steps_equal_sequential_learner_steps(shards, dtype, target, copy):
     """train_steps draws batch t + 1 after update t's priorities and beside its backward, and
     its forwards read the kernels' copies that each update writes (bfloat16): the same steps,
     keys and results as K learner_step calls in a row, whose forwards cast the parameters
-    (plain and sharded buffers, prioritized, curiosity on, hard and Polyak targets)."""
+    (plain and sharded buffers, prioritized, curiosity on, hard and Polyak targets, the hard
+    copy as a select or a conditional, which moves the kernels' copies too)."""
     cfg = _cfg("replay.alpha=0.6", "curiosity.coef=0.1", "curiosity.hidden=8",
                "curiosity.embed=4", "train.target_period=2", f"network.dtype={dtype}",
                f"train.target_update={target}")
-    learner = make_learner(cfg, (3, 2))
+    learner = dataclasses.replace(make_learner(cfg, (3, 2)), target_copy=copy)
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     d, n, k = 6, 32, 3
     items = random_transitions(rng, n, d, (3, 2))
