@@ -138,21 +138,41 @@ def chunked(fn: Callable, items: Any, most: int) -> Any:
     return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:m], jax.lax.map(fn, blocks))
 
 
+def first_true_rows(mask: jax.Array, per_column: int) -> jax.Array:
+    """Flat indices ``t * N + n`` of the first ``per_column`` True entries of each column of
+    ``mask [L, N]`` bool: ``[per_column * N]`` int32, the j-th True of every column before the
+    (j+1)-th, and ``L * N`` (past the end) where a column holds fewer.
+
+    The j-th True of a column lies at the number of its steps with at most j Trues up to and
+    including them, so this is a count over ``L`` per (j, n), not a scatter (``jnp.nonzero``
+    with a static size bins a running count with a scatter-add, whose adds collide on a GPU).
+    From ``per_column >= L`` every True is taken, in place.
+    """
+    steps, n = mask.shape
+    if per_column >= steps:
+        return jnp.where(mask.reshape(-1), jnp.arange(steps * n, dtype=jnp.int32), steps * n)
+    count = jnp.cumsum(mask, axis=0, dtype=jnp.int32)  # [L, N]: Trues up to and including t
+    j = jnp.arange(per_column, dtype=jnp.int32)[:, None, None]
+    at = jnp.sum(count[None] <= j, axis=1, dtype=jnp.int32)  # [per_column, N], L where none
+    rows = at * n + jnp.arange(n, dtype=jnp.int32)
+    return jnp.where(at < steps, rows, steps * n).reshape(-1)
+
+
 def greedy_after(learner: Learner, backend: Backend, params, greedy: jax.Array, need: jax.Array,
-                 next_obs, decode: Callable, size: int) -> jax.Array:
+                 next_obs, decode: Callable, per_column: int) -> jax.Array:
     """Greedy actions at each step's next observation from a rollout's own, ``[L, N, B]``.
 
     ``greedy [L, N, B]``: the greedy actions of the observations the rollout acted on;
     ``need [L, N]`` bool: the steps whose next observation is not the one acted on at t + 1
-    (at most ``size`` of them, a static bound); ``next_obs``: their encodings ``[L, N, ...]``
-    (a pytree), which ``decode(enc [M, ...]) -> obs [M, D]`` rebuilds. Elsewhere the result is
-    ``greedy[t + 1]``; at the ``need`` rows, the online forward of their next observation,
-    gathered into one batch of ``size`` rows (``backend.q_forward``).
+    (at most ``per_column`` of them in each of the N columns, a static bound); ``next_obs``:
+    their encodings ``[L, N, ...]`` (a pytree), which ``decode(enc [M, ...]) -> obs [M, D]``
+    rebuilds. Elsewhere the result is ``greedy[t + 1]``; at the ``need`` rows, the online
+    forward of their next observation, gathered (:func:`first_true_rows`) into one batch of
+    ``per_column * N`` rows (``backend.q_forward``).
     """
     steps, n, b = greedy.shape
     flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
-    want = flat(need)
-    idx = jnp.nonzero(want, size=size, fill_value=want.shape[0])[0]  # then past the end: none
+    idx = first_true_rows(need, per_column)  # past the end: clipped here, dropped below
     rows = jax.tree.map(lambda x: jnp.take(flat(x), idx, axis=0, mode="clip"), next_obs)
 
     def forward(e):
@@ -173,16 +193,16 @@ def next_greedy(learner: Learner, backend: Backend, adapter: EnvAdapter, env_par
     those of truncated steps (before their reset). Truncations are at least
     ``adapter.max_episode_steps`` (T) steps apart, so the first L - 1 steps hold at most
     ``ceil((L - 1) / T)`` of them per episode, and the rows are gathered into a batch of that
-    static size plus N (the whole window when T is unknown). A terminated step keeps
+    static size plus one, times N (the whole window when T is unknown). A terminated step keeps
     ``greedy[t + 1]`` (a reset observation's): its discount is 0, so its target distribution is
     its return's whatever the bootstrap logits.
     """
-    steps, n, _ = traj["greedy"].shape
+    steps = traj["greedy"].shape[0]
     limit = adapter.max_episode_steps(env_params) if adapter.max_episode_steps else 1
     per_episode = min(steps - 1, -(-(steps - 1) // limit))
     need = traj["truncated"].at[-1].set(True)
     return greedy_after(learner, backend, params, traj["greedy"], need, traj["next_obs"],
-                        lambda e: adapter.decode(e, env_params), (per_episode + 1) * n)
+                        lambda e: adapter.decode(e, env_params), per_episode + 1)
 
 
 def _where(mask, a, b):

@@ -198,7 +198,7 @@ def validation_loss(learner: Learner, backend: Backend, params, target_params, e
     greedy action does not enter its loss (its discount is 0).
     """
     t = learner.train_cfg
-    steps, w = traj["reward"].shape
+    steps = traj["reward"].shape[0]
     returns, discounts, offsets = n_step_targets(traj["reward"], traj["terminated"],
                                                  traj["truncated"] | ~traj["alive"], t.gamma, t.n_step)
     rows = jnp.arange(steps)[:, None] + offsets - 1
@@ -210,7 +210,7 @@ def validation_loss(learner: Learner, backend: Backend, params, target_params, e
     greedy = greedy_after(learner, backend, params, traj["action"],
                           traj["truncated"] & traj["alive"],
                           {"bar": traj["next_bar"], "portfolio": traj["next_portfolio"]},
-                          lambda e: trading.decode(e, env_params), per_window * w)
+                          lambda e: trading.decode(e, env_params), per_window)
     obs = trading.decode({"bar": flat(traj["bar"]), "portfolio": flat(traj["portfolio"])},
                          env_params)
     next_obs = trading.decode({"bar": flat(take(traj["next_bar"])),

@@ -203,3 +203,30 @@ def test_trajectory_observing_the_state_equals_carrying_the_observations(tables)
     assert bool(jnp.any(want[1]["truncated"][:-1]))  # episodes restarted inside the window
     np.testing.assert_array_equal(  # the end rollout's observation is its state's
         got[0].obs, jax.vmap(trading.observation, in_axes=(0, None))(got[0].env_state, params))
+
+
+@pytest.mark.parametrize("steps, n, per_column", [(9, 5, 2), (30, 7, 4), (6, 3, 6), (6, 3, 9)])
+def test_first_true_rows_lists_each_column_s_first_trues(steps, n, per_column):
+    """:func:`collect.first_true_rows` against a NumPy walk over each column: the j-th True
+    of every column (j < per_column) at ``j * N + n``, ``L * N`` where a column holds fewer;
+    the rows it lists are ``flatnonzero(mask)`` whenever no column holds more."""
+    rng = np.random.default_rng()
+    mask = np.zeros((steps, n), bool)
+    for col in range(n):  # each column gets 0 .. per_column Trues (some exactly per_column)
+        count = rng.integers(0, min(per_column, steps) + 1) if col else min(per_column, steps)
+        mask[rng.choice(steps, size=count, replace=False), col] = True
+    got = np.asarray(jax.jit(collect.first_true_rows, static_argnums=1)(jnp.asarray(mask),
+                                                                        per_column))
+    if per_column >= steps:
+        want = np.where(mask.reshape(-1), np.arange(steps * n), steps * n)
+    else:
+        want = np.full((per_column, n), steps * n)
+        for col in range(n):
+            at = np.flatnonzero(mask[:, col])
+            want[:len(at), col] = at * n + col
+        want = want.reshape(-1)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32
+    listed = got[got < steps * n]
+    assert len(np.unique(listed)) == len(listed)
+    np.testing.assert_array_equal(np.sort(listed), np.flatnonzero(mask.reshape(-1)))
