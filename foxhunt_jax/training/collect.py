@@ -168,7 +168,7 @@ def greedy_after(learner: Learner, backend: Backend, params, greedy: jax.Array, 
     their encodings ``[L, N, ...]`` (a pytree), which ``decode(enc [M, ...]) -> obs [M, D]``
     rebuilds. Elsewhere the result is ``greedy[t + 1]``; at the ``need`` rows, the online
     forward of their next observation, gathered (:func:`first_true_rows`) into one batch of
-    ``per_column * N`` rows (``backend.q_forward``).
+    ``min(per_column, L) * N`` rows (``backend.q_forward``).
     """
     steps, n, b = greedy.shape
     flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731
