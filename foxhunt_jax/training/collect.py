@@ -140,8 +140,8 @@ def chunked(fn: Callable, items: Any, most: int) -> Any:
 
 def first_true_rows(mask: jax.Array, per_column: int) -> jax.Array:
     """Flat indices ``t * N + n`` of the first ``per_column`` True entries of each column of
-    ``mask [L, N]`` bool: ``[per_column * N]`` int32, the j-th True of every column before the
-    (j+1)-th, and ``L * N`` (past the end) where a column holds fewer.
+    ``mask [L, N]`` bool: ``[min(per_column, L) * N]`` int32, the j-th True of every column
+    before the (j+1)-th, and ``L * N`` (past the end) where a column holds fewer.
 
     The j-th True of a column lies at the number of its steps with at most j Trues up to and
     including them, so this is a count over ``L`` per (j, n), not a scatter (``jnp.nonzero``
