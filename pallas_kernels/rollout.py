@@ -15,12 +15,14 @@ program takes a block of ``BM`` episodes, keeps their state in registers and run
             which the initial priorities reuse); reset finished episodes (collect) or freeze
             them (evaluate)
 
-with one launch for the whole rollout. A collection rollout whose blocks queue for the
-multiprocessors in several waves (a population's members, :data:`pallas_kernels.tuning.
-STEPPED_WAVES`) launches the same step once a timestep instead (``stepped``, under a
-``lax.scan``): each launch reads the state its predecessor wrote and writes step ``t`` of the
-outputs in place, so no program holds its block's state across the whole window. The env rules
-are not restated here: the kernel calls
+with one launch for the whole rollout. At 16-row blocks (``HALVES_MAX_ROWS``) the loop runs
+each step as two iterations, the forward and then the env step, which shortens Triton's
+compile of the kernel by about a third for a few percent of its run time (docs/performance.md).
+A collection rollout whose blocks queue for the multiprocessors in several waves (a
+population's members, :data:`pallas_kernels.tuning.STEPPED_WAVES`) launches the same step once
+a timestep instead (``stepped``, under a ``lax.scan``): each launch reads the state its
+predecessor wrote and writes step ``t`` of the outputs in place, so no program holds its
+block's state across the whole window. The env rules are not restated here: the kernel calls
 :func:`foxhunt_jax.env.trading.advance` and :func:`~foxhunt_jax.env.trading.portfolio_features`
 with Pallas refs in place of the price tables, so the step has one definition.
 
@@ -56,12 +58,14 @@ OUT_F = tuple(f"portfolio{j}" for j in range(P)) + tuple(f"next_portfolio{j}" fo
     + ("reward", "equity", "turnover")
 OUT_I = ("bar", "next_bar", "terminated", "truncated", "traded", "fills", "alive")
 MODES = ("collect", "evaluate")
+# the largest blocks whose whole-window loop runs a step as two iterations (:func:`_kernel`)
+HALVES_MAX_ROWS = 16
 _TABLES = ("close", "sigma", "open", "high", "low", "exposures", "take_profit", "stop_loss")
 _SCALARS = ("cost_rate", "fixed_cost", "ruin_floor", "reward_scale", "slippage_rate")
 
 
 def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env_static: dict,
-            stepped: bool, *refs):
+            stepped: bool, halves: bool, *refs):
     n_ops = len(operand_names(plan))
     it = iter(refs)
     step_ref = next(it)  # stepped: the timestep this launch runs; else the window's length
@@ -100,10 +104,9 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
             xs.append(x.astype(cd))
         return xs
 
-    def body(t, carry):
-        # port: portfolio_features(state), carried so each step evaluates it once (on the new
-        # state, for the transition record and the next observation)
-        state, port, alive = carry
+    def act(t, state, port):
+        """The step's actions and, collecting, the greedy ones (else ``()``) from the state's
+        observation."""
         blocks = read_blocks(plan, cd, layout, ops, state.bar.shape[0], lookahead)
         blocks.start()  # the first weight loads wait alongside the observation's gather
         xs = observe(state, port)
@@ -117,7 +120,13 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
         actions = greedy
         if explore:
             actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(greedy)]
-        new, reward, term, trunc, info = trading.advance(state, tuple(actions), params)
+        return tuple(actions), tuple(greedy) if mode == "collect" else ()
+
+    def advance(t, state, port, alive, actions, greedy, row):
+        """The env step under ``actions``, its records written; the next (state, port, alive).
+        ``port``: portfolio_features(state), carried so each step evaluates it once (on the new
+        state, for the transition record and the next observation)."""
+        new, reward, term, trunc, info = trading.advance(state, actions, params, row)
         next_port = trading.portfolio_features(new, params)
         if mode == "evaluate":
             alive = alive & (t < lengths_ref[...])
@@ -146,20 +155,47 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
             alive = alive & ~term
         return state, port, alive
 
+    def half_step(i, carry):
+        # Step i // 2 in two halves, the forward (even i), then the env step (odd i), so
+        # that no value flows from one to the other within an iteration: they meet only through
+        # the loop's carry. Triton's coalescing and matmul passes walk, for every memory access
+        # and product, the slices of the operations connected to it, which grow with the
+        # product of the two parts' sizes when they are one chain (docs/performance.md).
+        t = jax.lax.div(i, 2)
+
+        def forward_half(c):
+            state, port, alive, _, _, _ = c
+            # the step's prices are read here too, so their loads wait beside the forward's
+            row = trading.market_row(state.bar, params)
+            return (state, port, alive, *act(t, state, port), row)
+
+        def env_half(c):
+            state, port, alive, actions, greedy, row = c
+            return (*advance(t, state, port, alive, actions, greedy, row), actions, greedy, row)
+        return jax.lax.cond(jax.lax.rem(i, 2) == 0, forward_half, env_half, carry)
+
     fields = {name: st_f_ref[i, :] for i, name in enumerate(STATE_F)}
     fields.update({name: st_i_ref[i, :] for i, name in enumerate(STATE_I)})
     state0 = trading.EnvState(**fields)
     alive0 = jnp.ones(state0.bar.shape, jnp.bool_)
-    if stepped:  # one step, t = step_ref[0]; the portfolio features carried in memory after t = 0
-        t = step_ref[0]
-        first = trading.portfolio_features(state0, params)
-        port0 = tuple(jnp.where(t == 0, f, port_ref[j, :]) for j, f in enumerate(first))
-        state, port, _ = body(t, (state0, port0, alive0))
+    first = trading.portfolio_features(state0, params)
+    if stepped:  # one step, t0 = step_ref[0]; the portfolio features carried in memory after 0
+        t0 = step_ref[0]
+        port0 = tuple(jnp.where(t0 == 0, f, port_ref[j, :]) for j, f in enumerate(first))
+        state, port, _ = advance(t0, state0, port0, alive0, *act(t0, state0, port0), None)
         for j in range(P):
             end_port_ref[j, :] = port[j]
+    elif halves:
+        no_actions = tuple(jnp.zeros(state0.bar.shape, jnp.int32) for _ in range(nb))
+        no_greedy = no_actions if mode == "collect" else ()
+        no_row = tuple(jnp.zeros(state0.bar.shape, jnp.float32) for _ in range(6))
+        state, *_ = jax.lax.fori_loop(0, 2 * step_ref[0], half_step,
+                                      (state0, first, alive0, no_actions, no_greedy, no_row))
     else:
-        port0 = trading.portfolio_features(state0, params)
-        state, _, _ = jax.lax.fori_loop(0, step_ref[0], body, (state0, port0, alive0))
+        def step(t, carry):
+            state, port, alive = carry
+            return advance(t, state, port, alive, *act(t, state, port), None)
+        state, _, _ = jax.lax.fori_loop(0, step_ref[0], step, (state0, first, alive0))
     for i, name in enumerate(STATE_F):
         end_f_ref[i, :] = getattr(state, name)
     for i, name in enumerate(STATE_I):
@@ -288,8 +324,9 @@ def fused_rollout(params: Any, network, support: jax.Array, env_params, state, n
                   "has_take_profit": env_params.has_take_profit,
                   "has_stop_loss": env_params.has_stop_loss,
                   "fill_next_open": env_params.fill_next_open}
+    halves = not stepped and bm <= HALVES_MAX_ROWS
     kernel = functools.partial(_kernel, plan, cd, config.layout, config.lookahead, mode,
-                               draws is not None, env_static, stepped)
+                               draws is not None, env_static, stepped, halves)
     if stepped:
         if mode != "collect":
             raise ValueError("fused_rollout: stepped launches are for collect mode")

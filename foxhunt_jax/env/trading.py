@@ -262,10 +262,20 @@ def _executed(price, direction, params: EnvParams):
     return price * (1.0 + params.slippage_rate * direction)
 
 
-def advance(state: EnvState, actions: tuple, params: EnvParams):
+def market_row(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, ...]:
+    """The prices a step from ``bar`` reads, none of which depends on the action:
+    ``(close[t], sigma[t], open[t+1], high[t+1], low[t+1], close[t+1])``."""
+    n = bar + 1
+    return (params.close[bar], params.sigma[bar], params.open[n], params.high[n], params.low[n],
+            params.close[n])
+
+
+def advance(state: EnvState, actions: tuple, params: EnvParams, row: tuple | None = None):
     """One step from bar t, no auto-reset, elementwise over any batch shape of ``state``.
 
-    ``actions``: one int32 array per branch, shaped like the state's fields.
+    ``actions``: one int32 array per branch, shaped like the state's fields; ``row``: the
+    step's :func:`market_row` if already read (the fused rollout kernel reads it beside the
+    forward pass), else read here.
     Returns (state, reward, terminated, truncated, info) with info: equity, cost, traded (bool:
     the chosen exposure differs from the held one), fill_price (the chosen trade's executed
     price, else 0), exit_price (executed price of a barrier or ruin exit, else 0), barrier
@@ -276,9 +286,8 @@ def advance(state: EnvState, actions: tuple, params: EnvParams):
     and the fused rollout kernel (``pallas_kernels/rollout.py``) for a block of episodes, with
     Pallas refs in place of the ``params`` tables (only indexing touches them).
     """
-    t, n = state.bar, state.bar + 1
-    c, s = params.close[t], params.sigma[t]
-    o, h, lo, cn = params.open[n], params.high[n], params.low[n], params.close[n]
+    n = state.bar + 1
+    c, s, o, h, lo, cn = market_row(state.bar, params) if row is None else row
     a_tp = actions[1] if params.has_take_profit else 0
     a_sl = actions[1 + int(params.has_take_profit)] if params.has_stop_loss else 0
     e, e_new = state.exposure, params.exposures[actions[0]]

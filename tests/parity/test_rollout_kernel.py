@@ -3,9 +3,9 @@
 Collection (epsilon-greedy, auto-reset) and greedy evaluation (per-episode lengths, ruin) run
 once through the scan of jnp functions (the ``xla`` backend) and once through the kernel in
 Pallas' interpret mode (the ``pallas`` backend), from the same keys: actions, bars and flags
-must be equal, money and observations equal to float32 rounding. A last test lowers both kernel modes for a
-CUDA GPU on this CPU, which runs the whole Pallas-to-Triton lowering (every primitive the kernel
-uses must have a Triton rule) without a GPU.
+must be equal, money and observations equal to float32 rounding. A last test lowers both
+kernel modes for a CUDA GPU on this CPU, which runs the whole Pallas-to-Triton lowering (every
+primitive the kernel uses must have a Triton rule) without a GPU.
 """
 
 import dataclasses
@@ -28,6 +28,7 @@ from foxhunt_jax.training import collect, validate
 from foxhunt_jax.training.trainer import TRADING_ADAPTER
 from pallas_kernels import q_forward as qf
 from pallas_kernels import tuning
+from pallas_kernels import rollout as rollout_kernel
 from pallas_kernels.rollout import fused_rollout, launch_spans
 
 # float32 GEMMs: in bfloat16 the kernel and XLA sum each product in a different order, and a
@@ -245,6 +246,30 @@ def test_reading_weight_blocks_ahead_leaves_the_rollout_unchanged(tables):
     chex.assert_trees_all_equal(runs[1], runs[0])
 
 
+def test_a_step_in_two_halves_leaves_the_rollout_unchanged(tables, monkeypatch):
+    """The whole-window kernel runs each step as two loop iterations (the forward, then the env
+    step; ``HALVES_MAX_ROWS``, for a shorter compile) or as one: both modes give bit-equal
+    results either way, across resets and frozen episodes."""
+    n, steps = 20, 6
+    params, learner, agent, state, resets, draws = _kernel_inputs(tables, n, steps,
+                                                                  ["env.episode_length=4"])
+    net, z = learner.network, learner.support
+    kc = qf.KernelConfig(block_rows=16, num_warps=4, max_chunk=16)
+    lengths = jnp.asarray(np.random.default_rng().integers(1, steps + 1, n), jnp.int32)
+    runs = []
+    for max_rows in (16, 0):
+        monkeypatch.setattr(rollout_kernel, "HALVES_MAX_ROWS", max_rows)
+        runs.append(jax.jit(lambda p, s: (
+            fused_rollout(p, net, z, params, s, steps, draws=draws, reset_bars=resets,
+                          config=kc),
+            fused_rollout(p, net, z, params, s, steps, mode="evaluate", lengths=lengths,
+                          config=kc)))(agent.params, state))
+    chex.assert_trees_all_equal(runs[0], runs[1])
+    collected, evaluated = runs[0]
+    assert bool(jnp.any(collected[0]["truncated"][1:]))  # episodes restarted inside the window
+    assert not bool(jnp.all(evaluated[0]["alive"]))  # and some evaluation episodes froze
+
+
 def test_stepped_collection_equals_the_whole_window_kernel(tables):
     """``fused_rollout(stepped=True)`` (one launch a timestep under a scan, the state and the
     outputs through memory) gives the whole-window kernel's collection bit for bit, across
@@ -356,8 +381,15 @@ def test_kernel_lowers_for_cuda_on_this_cpu(tables):
     text = collect_fn.trace(agent.params, state, draws, resets).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "fused_rollout" in text
-    # evaluation also with weight blocks read ahead (the Q-forward's default reading)
-    for kc in (default, qf.KernelConfig(block_rows=16, num_warps=8, max_chunk=128, lookahead=2)):
+    # evaluation also with weight blocks read ahead (the Q-forward's default reading), and at
+    # 32-row blocks, whose loop runs a step as one iteration (HALVES_MAX_ROWS)
+    wide = qf.KernelConfig(block_rows=32, min_rows=32, num_warps=8, max_chunk=128)
+    assert 32 > rollout_kernel.HALVES_MAX_ROWS
+    assert "xla.gpu.triton" in jax.jit(lambda p, s, d, r: fused_rollout(
+        p, net, z, params, s, steps, draws=d, reset_bars=r, config=wide, interpret=False)).trace(
+            agent.params, state, draws, resets).lower(lowering_platforms=("cuda",)).as_text()
+    for kc in (default, qf.KernelConfig(block_rows=16, num_warps=8, max_chunk=128, lookahead=2),
+               wide):
         eval_fn = jax.jit(lambda p, s, _c=kc: fused_rollout(
             p, net, z, params, s, steps, mode="evaluate", config=_c, interpret=False))
         assert "xla.gpu.triton" in eval_fn.trace(agent.params, state).lower(
