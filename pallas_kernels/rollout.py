@@ -122,7 +122,7 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
             actions = [apply_draws(draws_ref[t, d, :], a) for d, a in enumerate(greedy)]
         return tuple(actions), tuple(greedy) if mode == "collect" else ()
 
-    def advance(t, state, port, alive, actions, greedy, row):
+    def env_step(t, state, port, alive, actions, greedy, row):
         """The env step under ``actions``, its records written; the next (state, port, alive).
         ``port``: portfolio_features(state), carried so each step evaluates it once (on the new
         state, for the transition record and the next observation)."""
@@ -171,7 +171,8 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
 
         def env_half(c):
             state, port, alive, actions, greedy, row = c
-            return (*advance(t, state, port, alive, actions, greedy, row), actions, greedy, row)
+            return (*env_step(t, state, port, alive, actions, greedy, row), actions, greedy,
+                    row)
         return jax.lax.cond(jax.lax.rem(i, 2) == 0, forward_half, env_half, carry)
 
     fields = {name: st_f_ref[i, :] for i, name in enumerate(STATE_F)}
@@ -182,19 +183,19 @@ def _kernel(plan, cd, layout: str, lookahead: int, mode: str, explore: bool, env
     if stepped:  # one step, t0 = step_ref[0]; the portfolio features carried in memory after 0
         t0 = step_ref[0]
         port0 = tuple(jnp.where(t0 == 0, f, port_ref[j, :]) for j, f in enumerate(first))
-        state, port, _ = advance(t0, state0, port0, alive0, *act(t0, state0, port0), None)
+        state, port, _ = env_step(t0, state0, port0, alive0, *act(t0, state0, port0), None)
         for j in range(P):
             end_port_ref[j, :] = port[j]
     elif halves:
         no_actions = tuple(jnp.zeros(state0.bar.shape, jnp.int32) for _ in range(nb))
         no_greedy = no_actions if mode == "collect" else ()
-        no_row = tuple(jnp.zeros(state0.bar.shape, jnp.float32) for _ in range(6))
+        no_row = tuple(jnp.zeros(state0.bar.shape, jnp.float32) for _ in trading.MARKET_ROW)
         state, *_ = jax.lax.fori_loop(0, 2 * step_ref[0], half_step,
                                       (state0, first, alive0, no_actions, no_greedy, no_row))
     else:
         def step(t, carry):
             state, port, alive = carry
-            return advance(t, state, port, alive, *act(t, state, port), None)
+            return env_step(t, state, port, alive, *act(t, state, port), None)
         state, _, _ = jax.lax.fori_loop(0, step_ref[0], step, (state0, first, alive0))
     for i, name in enumerate(STATE_F):
         end_f_ref[i, :] = getattr(state, name)

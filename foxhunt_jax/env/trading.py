@@ -262,9 +262,14 @@ def _executed(price, direction, params: EnvParams):
     return price * (1.0 + params.slippage_rate * direction)
 
 
+# what a step from bar t reads of the tables before its action: close[t], sigma[t], then bar
+# t+1's open, high, low and close (:func:`market_row`)
+MARKET_ROW = ("close", "sigma", "next_open", "next_high", "next_low", "next_close")
+
+
 def market_row(bar: jax.Array, params: EnvParams) -> tuple[jax.Array, ...]:
-    """The prices a step from ``bar`` reads, none of which depends on the action:
-    ``(close[t], sigma[t], open[t+1], high[t+1], low[t+1], close[t+1])``."""
+    """The prices a step from ``bar`` reads, none of which depends on the action, in the order
+    of :data:`MARKET_ROW`."""
     n = bar + 1
     return (params.close[bar], params.sigma[bar], params.open[n], params.high[n], params.low[n],
             params.close[n])
@@ -444,8 +449,8 @@ def rollout(key: jax.Array, params: EnvParams, policy_fn: Callable, num_episodes
 
 __all__ = [
     "EnvParams", "EnvState", "make_params", "reset", "reset_at", "fresh_state", "start_bar",
-    "step_env", "advance", "step", "observation", "portfolio_obs", "portfolio_features",
-    "obs_from", "obs_dim",
+    "step_env", "advance", "market_row", "MARKET_ROW", "step", "observation", "portfolio_obs",
+    "portfolio_features", "obs_from", "obs_dim",
     "encode", "decode", "rollout", "random_policy", "P", "PORTFOLIO_DIM", "NONE", "TAKE_PROFIT",
     "STOP_LOSS", "TIME", "RUIN",
 ]
