@@ -5,7 +5,6 @@ from foxhunt_jax.agent.loss import (c51_double_q_loss, c51_loss, categorical_pro
 from foxhunt_jax.agent.network import (
     QNetwork,
     expected_q,
-    flatten_params,
     greedy_actions,
     make_network,
     param_count,
@@ -15,7 +14,7 @@ from foxhunt_jax.agent.network import (
 )
 
 __all__ = [
-    "QNetwork", "make_network", "support", "expected_q", "greedy_actions", "flatten_params",
-    "param_count", "select_action", "taken_logits", "categorical_projection", "c51_loss",
-    "c51_double_q_loss", "n_step_targets",
+    "QNetwork", "make_network", "support", "expected_q", "greedy_actions", "param_count",
+    "select_action", "taken_logits", "categorical_projection", "c51_loss", "c51_double_q_loss",
+    "n_step_targets",
 ]

@@ -102,7 +102,7 @@ def resolve_precision(cfg: CuriosityConfig, network_dtype: str) -> CuriosityConf
 
 
 def _optimizer(cfg: CuriosityConfig) -> optax.GradientTransformation:
-    # on one raveled vector: fewer kernels per learner step (as the Q-network's optimizer)
+    # on one raveled vector: fewer kernels per learner step
     return optax.flatten(optax.adam(cfg.learning_rate))
 
 

@@ -20,13 +20,12 @@ Shapes: ``D`` observation width, ``B`` branches, ``n_d`` actions of branch d, ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 
 from foxhunt_jax.config import NetworkConfig
 from foxhunt_jax.errors import ConfigError
@@ -280,12 +279,6 @@ def init_params(module: nn.Module, key: jax.Array, example: jax.Array) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def flatten_params(params: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
-    """Parameters as one flat float32 buffer ``[P]`` and the function that rebuilds the tree."""
-    flat, unravel = ravel_pytree(params)
-    return flat.astype(jnp.float32), unravel
-
-
 def param_count(params: Any) -> int:
     """Total number of scalars in a parameter tree."""
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
@@ -294,4 +287,4 @@ def param_count(params: Any) -> int:
 __all__ = ["QNetwork", "Dense", "F32_PRECISION", "F32_PRECISION_MIN_ROWS", "F32_FAST_PRECISION",
            "compute_params", "f32_precision", "make_network", "init_params", "support",
            "expected_q", "greedy_actions", "explore_actions", "explore_draws", "apply_draws",
-           "act", "q_forward", "select_action", "taken_logits", "flatten_params", "param_count"]
+           "act", "q_forward", "select_action", "taken_logits", "param_count"]

@@ -16,7 +16,6 @@ from foxhunt_jax.agent.network import (
     F32_PRECISION_MIN_ROWS,
     QNetwork,
     expected_q,
-    flatten_params,
     f32_precision,
     greedy_actions,
     make_network,
@@ -187,20 +186,6 @@ def test_param_count_default_config(rng):
     target = 1.1e6 / 4
     print(f"default QNetwork, D={D}: {count} parameters, {4 * count} bytes of float32")
     assert abs(count - target) <= 0.1 * target
-
-
-def test_flatten_params_round_trip(rng):
-    net, params = _init(rng)
-    flat, unravel = flatten_params(params)
-    chex.assert_shape(flat, (param_count(params),))
-    chex.assert_type(flat, jnp.float32)
-    chex.assert_trees_all_equal(unravel(flat), params)
-    # A new buffer maps back leaf by leaf, in the order of the tree's leaves.
-    new_flat = jnp.asarray(rng.normal(size=flat.shape), jnp.float32)
-    leaves = jax.tree_util.tree_leaves(unravel(new_flat))
-    np.testing.assert_array_equal(np.concatenate([np.ravel(x) for x in leaves]), new_flat)
-    obs = rng.normal(size=(64, D)).astype(np.float32)
-    chex.assert_trees_all_close(_apply(net)(unravel(flat), obs), _apply(net)(params, obs))
 
 
 def test_support_and_expected_q(rng):
