@@ -9,15 +9,12 @@ in docs/agent.md. The env's step and the greedy episodes are checked against flo
 tests/unit/test_gymnax_task.py.
 """
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from scripts_loader import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 # 40 epochs of 16 episodes x 80 steps: 51,200 env steps
 SHORT_EPOCHS = 40
 # A random policy scores ~22; 200 leaves a wide margin while still demanding a balancing policy.
@@ -27,18 +24,9 @@ LINE = re.compile(r"mean_return=(-?\d+\.\d{2}) env_steps=(\d+) seconds=(\d+\.\d)
 MOUNTAIN_CAR_EPOCHS = 6
 
 
-def _load_script():
-    path = ROOT / "scripts" / "cartpole.py"
-    spec = importlib.util.spec_from_file_location("cartpole_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def cartpole():
-    return _load_script()
+    return load_script("cartpole")
 
 
 def random_return(rng) -> float:

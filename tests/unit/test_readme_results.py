@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "readme_results.json"
@@ -16,12 +15,7 @@ RECORDED = ROOT / "benchmarks" / "readme_results.json"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("readme_results_script",
-                                                  ROOT / "scripts" / "readme_results.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("readme_results")
 
 
 @pytest.fixture(scope="module")
