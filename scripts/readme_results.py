@@ -120,8 +120,9 @@ def readme_fragments(figures: dict) -> list[str]:
     table's rows, the other seeds' epochs and test Sharpe, and each walk-forward's figures."""
     found = table_rows(figures["default_seed0"])
     others = [figures[f"default_seed{seed}"] for seed in SEEDS[1:]]
-    found.append(f"select epochs {_listed([str(f['selected_epoch']) for f in others])} and reach "
-                 f"test Sharpe {_signed(others[0]['test']['agent']['sharpe'], 2)}")
+    sharpes = [_signed(f["test"]["agent"]["sharpe"], 2) for f in others]
+    found += [f"select epochs {_listed([str(f['selected_epoch']) for f in others])} and reach "
+              f"test Sharpe {sharpes[0]}", f"and {sharpes[1]} ("]
     for name in ("walkforward", "walkforward_population"):
         if name not in figures:
             continue
@@ -141,8 +142,7 @@ def differences(recorded, now, path: str = "") -> list[str]:
     (:func:`shown`, keyed by the leaf's name)."""
     if isinstance(recorded, dict) and isinstance(now, dict):
         return [d for k in recorded
-                for d in differences(recorded[k], now.get(k, _MISSING), f"{path}.{k}" if path
-                                     else k)]
+                for d in differences(recorded[k], now.get(k, _MISSING), f"{path}.{k}".lstrip("."))]
     if isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now):
         return [d for i, (r, n) in enumerate(zip(recorded, now))
                 for d in differences(r, n, f"{path}[{i}]")]
@@ -186,15 +186,14 @@ def measure(out: Path, population: bool, log) -> dict:
         result = api.train(load_config("default", [f"train.seed={seed}"]),
                            out / f"default_seed{seed}", progress=False, log=lambda s: None)
         figures[f"default_seed{seed}"] = run_figures(result.summary)
-    quiet = {"log": lambda s: None}
-    log(f"walk-forward, {FOLDS} folds")
-    figures["walkforward"] = walkforward_figures(
-        walkforward(load_config("default"), FOLDS, out_dir=out / "wf", **quiet))
+    walks = {"walkforward": []}
     if population:
-        log(f"walk-forward, {FOLDS} folds, population {POPULATION}")
-        cfg = load_config("default", [f"train.population={POPULATION}"])
-        figures["walkforward_population"] = walkforward_figures(
-            walkforward(cfg, FOLDS, out_dir=out / "wf_population", **quiet))
+        walks["walkforward_population"] = [f"train.population={POPULATION}"]
+    for name, overrides in walks.items():
+        log(f"walk-forward, {FOLDS} folds, {overrides or 'one seed'}")
+        report = walkforward(load_config("default", overrides), FOLDS, out_dir=out / name,
+                             log=lambda s: None)
+        figures[name] = walkforward_figures(report)
     return figures
 
 
