@@ -180,8 +180,9 @@ def truncate_at(ins: Instrument, at: np.datetime64 | None) -> Instrument:
         return ins
     ts = np.asarray(ins.timestamps).astype("datetime64[ns]")
     if at < ts[0] or at > ts[-1]:
-        raise DataError(ins.source, f"--at {at} is outside the bars of instrument {ins.name} "
-                                    f"({ts[0]} .. {ts[-1]})")
+        first, last, when = (pd.Timestamp(t) for t in (ts[0], ts[-1], at))
+        raise DataError(ins.source, f"--at {when} is outside the bars of instrument {ins.name} "
+                                    f"({first} .. {last})")
     n = int(np.searchsorted(ts, at, side="right"))
     cut = lambda a: np.asarray(a)[:n]  # noqa: E731
     return Instrument(name=ins.name, source=ins.source, timestamps=cut(ins.timestamps),
