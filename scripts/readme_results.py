@@ -162,10 +162,12 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-def _commit() -> str:
+def _commit(package: Path) -> str:
+    """The checkout that holds the imported ``foxhunt_jax`` (which an editable install may place
+    outside this script's repository)."""
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+                              text=True, check=True, cwd=package).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -174,13 +176,15 @@ def measure(out: Path, population: bool, log) -> dict:
     """Trains and walks everything the README reports into ``out``; returns the figures."""
     import jax
 
+    import foxhunt_jax
     from foxhunt_jax import api
     from foxhunt_jax.config import load_config
     from foxhunt_jax.research.walkforward import walkforward
 
     figures = {"machine": {"processor": _processor(), "jax": jax.__version__,
                            "device": jax.devices()[0].device_kind},
-               "commit": _commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+               "commit": _commit(Path(foxhunt_jax.__file__).parent),
+               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
     for seed in SEEDS:
         log(f"default config, seed {seed}")
         result = api.train(load_config("default", [f"train.seed={seed}"]),
