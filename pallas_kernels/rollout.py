@@ -17,7 +17,7 @@ program takes a block of ``BM`` episodes, keeps their state in registers and run
 
 with one launch for the whole rollout. At 16-row blocks (``HALVES_MAX_ROWS``) the loop runs
 each step as two iterations, the forward and then the env step, which shortens Triton's
-compile of the kernel by about a third for a few percent of its run time (docs/performance.md).
+compile of the kernel at a small cost in run time (both measured in docs/performance.md).
 A collection rollout whose blocks queue for the multiprocessors in several waves (a
 population's members, :data:`pallas_kernels.tuning.STEPPED_WAVES`) launches the same step once
 a timestep instead (``stepped``, under a ``lax.scan``): each launch reads the state its
